@@ -1,0 +1,1 @@
+"""The coordinator: the public Generate service and the round loop."""

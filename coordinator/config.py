@@ -1,0 +1,40 @@
+"""Coordinator settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specd.config import ConfigError, setting
+
+MODES = ("auto", "ssd", "sd", "off")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    host: str = setting("0.0.0.0", "address to bind the gRPC server to")
+    port: int = setting(50051, "gRPC port (0 picks a free one)")
+    metrics_port: int = setting(9401, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
+    target_address: str = setting("localhost:50052", "target worker HOST:PORT")
+    draft_address: str = setting("localhost:50053", "draft worker HOST:PORT (empty: target-only)")
+    tokenizer: str = setting("", "tokenizer folder or hub id (empty: the target worker's model)")
+    default_mode: str = setting("auto", "speculation mode when a request says auto", choices=MODES)
+    num_speculative_tokens: int = setting(4, "K: draft tokens per round when a request does not say")
+    max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
+    default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
+    max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
+    worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
+    draft_retry_s: float = setting(2.0, "after a draft failure, decode target-only this long before retrying")
+    startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
+
+    def validate(self) -> None:
+        if not self.target_address:
+            raise ConfigError("--target-address is empty: give the target worker's HOST:PORT")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--num-speculative-tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.max_support < 1:
+            raise ConfigError("--max-support must be >= 1")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
+            raise ConfigError("--default-max-new-tokens must lie in [1, --max-new-tokens-limit]")
+        if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
+            raise ConfigError("timeouts must be positive")

@@ -1,0 +1,111 @@
+"""The round loop: draft, verify, commit, for one request.
+
+The loop yields one RoundResult per target forward; its consumer commits the emitted
+tokens (perhaps fewer, at a stop condition) to `Generation.committed` before asking
+for the next round, so the loop always drafts after exactly what was committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import AsyncIterator
+
+from coordinator.workers import DraftFailed, DraftLink, TargetLink, WorkerSession
+from specd.sampling import SamplingSettings, SparseDist
+from specd.v1 import target_pb2
+
+
+@dataclasses.dataclass
+class Generation:
+    """A request's state, owned by the coordinator."""
+
+    session_id: str
+    committed: list[int]  # prompt + generated so far
+    sampling: SamplingSettings
+    mode: str  # ssd, sd or off (auto is resolved before)
+    num_speculative_tokens: int
+    max_support: int
+    return_logprobs: bool
+    max_len: int  # committed may grow to this many tokens
+    target_session: WorkerSession = dataclasses.field(init=False)
+    draft_session: WorkerSession = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.target_session = WorkerSession(self.session_id)
+        self.draft_session = WorkerSession(self.session_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+    index: int
+    mode: str  # what this round ran: sd or off
+    tokens: list[int]  # d_1..d_k, then t*
+    logprobs: list[float]
+    num_draft: int  # K of this round (0: a plain decode step)
+    accepted: int  # k
+    bonus: bool  # t* is a bonus token (else recovered)
+    draft_wait_ms: float  # time the loop waited on the draft worker
+    verify_ms: float  # the target's forward
+    fallback_reason: str  # why this round did not speculate as asked, if it did not
+
+
+async def prefill(gen: Generation, target: TargetLink, draft: DraftLink | None) -> str:
+    """Fill both workers' caches with the prompt; returns a fallback reason if the draft failed."""
+    calls = [target.prefill(gen.target_session, gen.committed)]
+    use_draft = gen.mode != "off" and draft is not None and await draft.usable()
+    if use_draft:
+        calls.append(draft.prefill(gen.draft_session, gen.committed))
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    if use_draft and isinstance(results[1], DraftFailed):
+        return str(results[1])
+    if use_draft and isinstance(results[1], BaseException):
+        raise results[1]
+    return ""
+
+
+async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None) -> AsyncIterator[RoundResult]:
+    """Synchronous speculative decoding; target-only rounds when the draft is off or away."""
+    index = 0
+    while (remaining := gen.max_len - len(gen.committed)) > 0:
+        num_draft = min(gen.num_speculative_tokens, remaining - 1)
+        draft_tokens: list[int] = []
+        draft_dists: list[SparseDist] = []
+        draft_wait_ms = 0.0
+        fallback = ""
+        mode = "off"
+        if gen.mode != "off" and num_draft > 0:
+            if draft is not None and await draft.usable():
+                started = time.perf_counter()
+                try:
+                    proposal = await draft.propose(
+                        gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support
+                    )
+                    draft_tokens = list(proposal.draft_tokens)
+                    draft_dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in proposal.draft_probs]
+                    mode = "sd"
+                except DraftFailed as exc:
+                    fallback = str(exc)
+                draft_wait_ms = (time.perf_counter() - started) * 1000.0
+            else:
+                fallback = draft.last_error if draft is not None else "no draft worker is configured"
+        verify = await target.verify(
+            gen.target_session, gen.committed, draft_tokens, draft_dists, gen.sampling, gen.return_logprobs
+        )
+        accepted = verify.accepted
+        yield RoundResult(
+            index=index,
+            mode=mode,
+            tokens=draft_tokens[:accepted] + [verify.next_token],
+            logprobs=list(verify.logprobs),
+            num_draft=len(draft_tokens),
+            accepted=accepted,
+            bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
+            draft_wait_ms=draft_wait_ms,
+            verify_ms=verify.forward_ms,
+            fallback_reason=fallback,
+        )
+        index += 1

@@ -1,0 +1,102 @@
+"""Start the coordinator: wait for the target worker, load its tokenizer, check the draft's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.request import TargetFacts
+from coordinator.servicer import CoordinatorServicer
+from coordinator.workers import DraftLink, TargetLink
+from specd.config import ConfigError
+from specd.models import load_tokenizer, tokenizer_fingerprint
+from specd.serving import NOT_SERVING, SERVING, RunningService, create_server
+from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specd.wire import sampling_from_proto
+from specd.sampling import SamplingSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+class TokenizerMismatch(ConfigError):
+    """Draft and target tokenizers map strings to different ids: speculation would be wrong."""
+
+
+async def wait_for_target(target: TargetLink, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await target.info(timeout_s=5.0)
+        except grpc.aio.AioRpcError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the target worker at {target.address} did not serve within {timeout_s:.0f} s "
+                    f"({exc.code().name}: {exc.details()})"
+                ) from None
+            await asyncio.sleep(0.5)
+
+
+async def connect(config: CoordinatorConfig, servicer: CoordinatorServicer) -> None:
+    """Learn the target's facts and tokenizer; refuse a draft whose tokenizer differs."""
+    info = await wait_for_target(servicer.target, config.startup_timeout_s)
+    tokenizer_name = config.tokenizer or info.model
+    tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_name)
+    if tokenizer_fingerprint(tokenizer) != info.tokenizer_fingerprint:
+        raise TokenizerMismatch(
+            f"the coordinator's tokenizer {tokenizer_name!r} differs from the target worker's "
+            f"({info.model!r}); point --tokenizer at the target model"
+        )
+    if servicer.draft is not None:
+        servicer.draft.expected_fingerprint = info.tokenizer_fingerprint
+        if not await servicer.draft.check(timeout_s=5.0) and servicer.draft.rejected_reason:
+            raise TokenizerMismatch(servicer.draft.rejected_reason)
+        if servicer.draft.info is None:
+            log.warning("no draft worker yet (%s); decoding target-only until it is back", servicer.draft.last_error)
+    servicer.facts = TargetFacts(
+        model=info.model,
+        tokenizer=tokenizer,
+        vocab_size=info.vocab_size,
+        context_length=info.context_length,
+        eos_token_ids=frozenset(info.eos_token_ids),
+        default_sampling=sampling_from_proto(info.default_sampling, SamplingSettings()),
+        tensor_parallel=info.tensor_parallel,
+    )
+
+
+async def start_coordinator(config: CoordinatorConfig, interceptors: list | None = None, client_interceptors: list | None = None) -> RunningService:
+    target = TargetLink(config.target_address, config.worker_timeout_s, client_interceptors)
+    draft = None
+    if config.draft_address:
+        draft = DraftLink(config.draft_address, config.worker_timeout_s, config.draft_retry_s, client_interceptors)
+    servicer = CoordinatorServicer(config, target, draft)
+    server, port, health_state = create_server(
+        config.host,
+        config.port,
+        lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        interceptors,
+    )
+    service = RunningService(server, port, health_state, thread=None)
+    service.servicer = servicer
+    await health_state.set(NOT_SERVING)
+    await server.start()
+
+    async def become_ready() -> None:
+        await connect(config, servicer)
+        await health_state.set(SERVING)
+        log.info("coordinator serving on port %d", port)
+
+    service.ready = asyncio.ensure_future(become_ready())
+    return service
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    service = await start_coordinator(config)
+    log.info("coordinator listening on %s:%d", config.host, service.port)
+    await service.serve_until_signal()

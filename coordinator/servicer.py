@@ -1,0 +1,189 @@
+"""Coordinator gRPC servicer: Generate (unary and streaming) and ModelInfo."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from typing import AsyncIterator
+
+from coordinator.config import CoordinatorConfig
+from coordinator.request import ResolvedRequest, TargetFacts, resolve
+from coordinator.rounds import Generation, prefill, sd_rounds
+from coordinator.stats import RequestStats
+from coordinator.text import TextAssembler
+from coordinator.workers import DraftLink, TargetLink
+from specd.serving import ModelLoading, abort_on_error
+from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Tokens committed by one round, and the text that became final with them."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+
+
+@dataclasses.dataclass
+class Finish:
+    finish_reason: int
+    stop_reason: str
+    text: str  # the whole generated text
+    token_ids: list[int]
+    logprobs: list[float]
+    usage: coordinator_pb2.Usage
+    stats: coordinator_pb2.SpeculationStats
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, config: CoordinatorConfig, target: TargetLink, draft: DraftLink | None):
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self.facts: TargetFacts | None = None  # set once the target worker has answered
+
+    def _ready_facts(self) -> TargetFacts:
+        if self.facts is None:
+            raise ModelLoading()
+        return self.facts
+
+    def _run_mode(self, asked: str) -> str:
+        mode = self.config.default_mode if asked == "auto" else asked
+        if mode == "auto":
+            mode = "ssd" if self.draft is not None else "off"
+        if mode == "ssd":
+            mode = "sd"  # the ssd round loop is not in yet; sd keeps the output exact
+        return mode
+
+    async def generate(self, request: ResolvedRequest) -> AsyncIterator[Chunk | Finish]:
+        facts = self._ready_facts()
+        mode = self._run_mode(request.mode)
+        prompt_len = len(request.prompt_ids)
+        gen = Generation(
+            session_id=uuid.uuid4().hex,
+            committed=list(request.prompt_ids),
+            sampling=request.sampling,
+            mode=mode,
+            num_speculative_tokens=request.num_speculative_tokens,
+            max_support=self.config.max_support,
+            return_logprobs=request.return_logprobs,
+            max_len=min(facts.context_length, prompt_len + request.max_new_tokens),
+        )
+        stats = RequestStats(requested_mode=mode, seed=request.sampling.seed)
+        text = TextAssembler(facts.tokenizer, request.prompt_ids, request.stop_strings)
+        logprobs: list[float] = []
+        streamed = 0
+        finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_LENGTH, ""
+        try:
+            stats.fallback_reason = await prefill(gen, self.target, self.draft)
+            rounds = sd_rounds(gen, self.target, self.draft)
+            async for result in rounds:
+                stats.add(result)
+                committed: list[int] = []
+                for i, token in enumerate(result.tokens):
+                    gen.committed.append(token)
+                    committed.append(token)
+                    if request.return_logprobs:
+                        logprobs.append(result.logprobs[i])
+                    if text.add(token):
+                        finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_STOP, text.stop_string
+                        break
+                    if token in facts.eos_token_ids and not request.ignore_eos:
+                        finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_STOP, "eos"
+                        break
+                done = bool(stop_reason) or len(gen.committed) >= gen.max_len
+                end = len(text.text) if done else text.streamable_length()
+                chunk_logprobs = result.logprobs[: len(committed)] if request.return_logprobs else []
+                yield Chunk(committed, chunk_logprobs, text.text[streamed:end])
+                streamed = max(streamed, end)
+                if done:
+                    await rounds.aclose()
+                    break
+        finally:
+            self._end_sessions(gen.session_id)
+        completion = len(gen.committed) - prompt_len
+        yield Finish(
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            text=text.text,
+            token_ids=gen.committed[prompt_len:],
+            logprobs=logprobs,
+            usage=coordinator_pb2.Usage(
+                prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion
+            ),
+            stats=stats.to_proto(),
+        )
+
+    def _end_sessions(self, session_id: str) -> None:
+        """Free the request's caches on both workers, without making the caller wait."""
+
+        async def end() -> None:
+            calls = [self.target.end_session(session_id)]
+            if self.draft is not None:
+                calls.append(self.draft.end_session(session_id))
+            await asyncio.gather(*calls, return_exceptions=True)
+
+        asyncio.ensure_future(end())
+
+    async def Generate(self, request, context):
+        try:
+            resolved = resolve(request, self._ready_facts(), self.config)
+            async for event in self.generate(resolved):
+                if isinstance(event, Finish):
+                    return coordinator_pb2.GenerateResponse(
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        finish_reason=event.finish_reason,
+                        stop_reason=event.stop_reason,
+                        usage=event.usage,
+                        stats=event.stats,
+                        logprobs=event.logprobs,
+                        request_id=resolved.request_id,
+                    )
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
+            await abort_on_error(context, exc)
+
+    async def GenerateStream(self, request, context):
+        try:
+            resolved = resolve(request, self._ready_facts(), self.config)
+            async for event in self.generate(resolved):
+                if isinstance(event, Chunk):
+                    if event.token_ids or event.text:
+                        yield coordinator_pb2.GenerateStreamResponse(
+                            text=event.text,
+                            token_ids=event.token_ids,
+                            logprobs=event.logprobs,
+                            request_id=resolved.request_id,
+                        )
+                else:
+                    yield coordinator_pb2.GenerateStreamResponse(
+                        finish_reason=event.finish_reason,
+                        stop_reason=event.stop_reason,
+                        usage=event.usage,
+                        stats=event.stats,
+                        request_id=resolved.request_id,
+                    )
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+
+    async def ModelInfo(self, request, context):
+        try:
+            facts = self._ready_facts()
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        draft_info = self.draft.info if self.draft is not None else None
+        return coordinator_pb2.ModelInfoResponse(
+            target_model=facts.model,
+            draft_model=draft_info.model if draft_info is not None else "",
+            vocab_size=facts.vocab_size,
+            context_length=facts.context_length,
+            draft_available=draft_info is not None,
+            tensor_parallel=facts.tensor_parallel,
+            max_new_tokens_limit=self.config.max_new_tokens_limit,
+            default_num_speculative_tokens=self.config.num_speculative_tokens,
+        )

@@ -1,0 +1,47 @@
+"""Incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 4  # prompt tokens decoded in front of the output, for tokenizers that strip leading spaces
+
+
+class TextAssembler:
+    """The generated text so far, the earliest stop string in it, and how much is safe to stream."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: list[str]):
+        self._tokenizer = tokenizer
+        self._context = prompt_ids[-_CONTEXT_TOKENS:]
+        self._context_text = self._decode(self._context)
+        self._stops = stop_strings
+        self._holdback = max((len(s) for s in stop_strings), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stop_string = ""  # the stop string that ended the text, if any
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> bool:
+        """Append one token; True if a stop string now ends the text (it is cut off)."""
+        self.token_ids.append(token_id)
+        full = self._decode(self._context + self.token_ids)
+        if full.startswith(self._context_text):
+            text = full[len(self._context_text) :]
+        else:
+            text = self._decode(self.token_ids)
+        search_from = max(0, len(self.text) - self._holdback - 1)
+        found = [(text.find(s, search_from), s) for s in self._stops]
+        found = [(index, s) for index, s in found if index >= 0]
+        if found:
+            index, self.stop_string = min(found)
+            self.text = text[:index]
+            return True
+        self.text = text
+        return False
+
+    def streamable_length(self) -> int:
+        """How much of the text cannot change any more: no half character, no possible stop-string start."""
+        length = len(self.text)
+        while length and self.text[length - 1] == "\ufffd":
+            length -= 1
+        return max(0, length - self._holdback)

@@ -1,0 +1,209 @@
+"""Clients of the two workers: deadlines, session re-sync, and the draft's availability.
+
+The coordinator owns the committed tokens. Each worker session remembers how many
+of them it has been sent; a worker that lost the session (restart, expiry) answers
+NOT_FOUND or FAILED_PRECONDITION and is sent the whole history again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Awaitable, Callable
+
+import grpc
+
+from specd.sampling import SamplingSettings, SparseDist
+from specd.serving import GRPC_OPTIONS, StatusError, Unavailable
+from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specd.wire import sampling_to_proto, sparse_to_proto
+
+log = logging.getLogger(__name__)
+
+_RESYNC_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class TargetUnavailable(Unavailable):
+    """The target worker cannot serve: the request fails with UNAVAILABLE."""
+
+
+class DraftFailed(RuntimeError):
+    """A draft call failed: the round goes on target-only."""
+
+
+@dataclasses.dataclass
+class WorkerSession:
+    """One request's session on one worker: how much of the committed history it was sent."""
+
+    session_id: str
+    sent: int = 0
+
+    def committed_tail(self, committed: list[int]) -> common_pb2.CommittedTokens:
+        return common_pb2.CommittedTokens(start=self.sent, token_ids=committed[self.sent :])
+
+
+async def _synced_call(session: WorkerSession, committed: list[int], call: Callable[[common_pb2.CommittedTokens], Awaitable]):
+    """Send the unsent tail; resend everything once if the worker lost the session."""
+    try:
+        response = await call(session.committed_tail(committed))
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() not in _RESYNC_CODES:
+            raise
+        log.info("session %s lost on a worker (%s); resending its history", session.session_id, exc.code().name)
+        session.sent = 0
+        response = await call(session.committed_tail(committed))
+    session.sent = len(committed)
+    return response
+
+
+def _channel(address: str, interceptors: list | None) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=interceptors)
+
+
+class TargetLink:
+    def __init__(self, address: str, timeout_s: float, interceptors: list | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = _channel(address, interceptors)
+        self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> StatusError:
+        """UNAVAILABLE when the target cannot be reached in time; its own status otherwise."""
+        message = f"target worker at {self.address}: {exc.code().name}: {exc.details()}"
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return TargetUnavailable(message)
+        return StatusError(message, exc.code())
+
+    async def info(self, timeout_s: float | None = None) -> target_pb2.TargetInfo:
+        return await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=timeout_s or self.timeout_s)
+
+    async def prefill(self, session: WorkerSession, committed: list[int]) -> target_pb2.TargetPrefillResponse:
+        async def call(tail):
+            request = target_pb2.TargetPrefillRequest(session_id=session.session_id, committed=tail)
+            return await self._stub.Prefill(request, timeout=self.timeout_s)
+
+        try:
+            return await _synced_call(session, committed, call)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def verify(
+        self,
+        session: WorkerSession,
+        committed: list[int],
+        draft_tokens: list[int],
+        draft_dists: list[SparseDist],
+        sampling: SamplingSettings,
+        return_logprobs: bool,
+    ) -> target_pb2.VerifyResponse:
+        async def call(tail):
+            request = target_pb2.VerifyRequest(
+                session_id=session.session_id,
+                committed=tail,
+                draft_tokens=draft_tokens,
+                draft_probs=[] if sampling.greedy else [sparse_to_proto(d) for d in draft_dists],
+                sampling=sampling_to_proto(sampling),
+                return_logprobs=return_logprobs,
+            )
+            return await self._stub.Verify(request, timeout=self.timeout_s)
+
+        try:
+            return await _synced_call(session, committed, call)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def end_session(self, session_id: str) -> None:
+        await self._stub.EndSession(target_pb2.TargetEndSessionRequest(session_id=session_id), timeout=5.0)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class DraftLink:
+    """The draft worker, or its absence: after a failure it is skipped for `retry_s`."""
+
+    def __init__(self, address: str, timeout_s: float, retry_s: float, interceptors: list | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._channel = _channel(address, interceptors)
+        self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
+        self.info: draft_pb2.DraftInfo | None = None
+        self.expected_fingerprint = ""
+        self.rejected_reason = ""  # set for good when the draft's tokenizer differs from the target's
+        self._down_until = 0.0
+        self.last_error = "the draft worker has not been reached yet"
+
+    async def check(self, timeout_s: float = 2.0) -> bool:
+        """Ask the draft for its Info; usable only if it shares the target's tokenizer."""
+        try:
+            info = await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
+            return False
+        if info.tokenizer_fingerprint != self.expected_fingerprint:
+            self.rejected_reason = (
+                f"the draft model {info.model!r} maps strings to different token ids than the target "
+                "model; serve a draft that shares the target's tokenizer"
+            )
+            self.last_error = self.rejected_reason
+            return False
+        self.info = info
+        self._down_until = 0.0
+        return True
+
+    def mark_down(self, reason: str) -> None:
+        self.info = None
+        self.last_error = reason
+        self._down_until = time.monotonic() + self.retry_s
+
+    async def usable(self) -> bool:
+        """True if the draft can take this round; re-checks it once its back-off has passed."""
+        if self.rejected_reason:
+            return False
+        if self.info is not None:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        return await self.check()
+
+    async def _call(self, make_call: Callable[[], Awaitable]):
+        try:
+            return await make_call()
+        except grpc.aio.AioRpcError as exc:
+            self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
+            raise DraftFailed(self.last_error) from None
+
+    async def prefill(self, session: WorkerSession, committed: list[int]) -> draft_pb2.DraftPrefillResponse:
+        async def call(tail):
+            request = draft_pb2.DraftPrefillRequest(session_id=session.session_id, committed=tail)
+            return await self._stub.Prefill(request, timeout=self.timeout_s)
+
+        return await self._call(lambda: _synced_call(session, committed, call))
+
+    async def propose(
+        self,
+        session: WorkerSession,
+        committed: list[int],
+        num_tokens: int,
+        sampling: SamplingSettings,
+        max_support: int,
+    ) -> draft_pb2.ProposeResponse:
+        async def call(tail):
+            request = draft_pb2.ProposeRequest(
+                session_id=session.session_id,
+                committed=tail,
+                num_tokens=num_tokens,
+                sampling=sampling_to_proto(sampling),
+                max_support=max_support,
+            )
+            return await self._stub.Propose(request, timeout=self.timeout_s)
+
+        return await self._call(lambda: _synced_call(session, committed, call))
+
+    async def end_session(self, session_id: str) -> None:
+        await self._stub.EndSession(draft_pb2.DraftEndSessionRequest(session_id=session_id), timeout=5.0)
+
+    async def close(self) -> None:
+        await self._channel.close()

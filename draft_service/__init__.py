@@ -1,0 +1,1 @@
+"""The draft worker: hosts the small model and proposes drafts."""

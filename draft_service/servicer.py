@@ -1,0 +1,88 @@
+"""DraftWorker gRPC servicer: checks requests, runs them on the model thread."""
+
+from __future__ import annotations
+
+from draft_service.runner import DraftModelRunner
+from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
+from specd.v1 import draft_pb2, draft_pb2_grpc
+from specd.wire import check_committed, sampling_from_proto, sparse_to_proto
+
+MAX_DRAFT_TOKENS = 64
+
+
+class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
+    def __init__(self, thread: ModelThread):
+        self._thread = thread
+        self.runner: DraftModelRunner | None = None  # set once the model is loaded
+
+    def _ready_runner(self) -> DraftModelRunner:
+        if self.runner is None:
+            raise ModelLoading()
+        return self.runner
+
+    async def Prefill(self, request, context):
+        try:
+            runner = self._ready_runner()
+            _require_session_id(request.session_id)
+            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
+            cached, forward_ms = await self._thread.run(
+                runner.prefill, request.session_id, request.committed.start, tokens
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
+            await abort_on_error(context, exc)
+        return draft_pb2.DraftPrefillResponse(cached_tokens=cached, forward_ms=forward_ms)
+
+    async def Propose(self, request, context):
+        try:
+            runner = self._ready_runner()
+            loaded = runner.loaded
+            _require_session_id(request.session_id)
+            if not 1 <= request.num_tokens <= MAX_DRAFT_TOKENS:
+                raise InvalidRequest(f"num_tokens must lie in [1, {MAX_DRAFT_TOKENS}], got {request.num_tokens}")
+            tokens = check_committed(
+                request.committed, loaded.vocab_size, loaded.context_length, request.num_tokens
+            )
+            sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
+            proposal = await self._thread.run(
+                runner.propose,
+                request.session_id,
+                request.committed.start,
+                tokens,
+                request.num_tokens,
+                sampling,
+                request.max_support,
+            )
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return draft_pb2.ProposeResponse(
+            draft_tokens=proposal.draft_tokens,
+            draft_probs=[sparse_to_proto(d) for d in proposal.draft_dists],
+            forward_ms=proposal.forward_ms,
+        )
+
+    async def EndSession(self, request, context):
+        try:
+            runner = self._ready_runner()
+            existed = await self._thread.run(runner.end_session, request.session_id)
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return draft_pb2.DraftEndSessionResponse(existed=existed)
+
+    async def Info(self, request, context):
+        try:
+            loaded = self._ready_runner().loaded
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return draft_pb2.DraftInfo(
+            model=loaded.name,
+            vocab_size=loaded.vocab_size,
+            context_length=loaded.context_length,
+            dtype=loaded.dtype,
+            device=loaded.device,
+            tokenizer_fingerprint=loaded.tokenizer_fingerprint,
+        )
+
+
+def _require_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidRequest("session_id is empty")

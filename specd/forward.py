@@ -1,0 +1,28 @@
+"""One model forward over new tokens on top of a session's KV cache."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+@torch.inference_mode()
+def forward_logits(model, cache, tokens: list[int], num_logits: int) -> tuple[torch.Tensor, float]:
+    """Feed `tokens` after what `cache` holds; return (logits [num_logits, V] float32, ms).
+
+    The logits are those after the last `num_logits` tokens fed.
+    """
+    device = model.device
+    input_ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, L]
+    started = time.perf_counter()
+    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
+    logits = output.logits[0, -num_logits:].float().cpu()  # [num_logits, V]
+    return logits, (time.perf_counter() - started) * 1000.0
+
+
+def warm_up(model) -> None:
+    """One throwaway forward so that the first request does not pay for lazy initialisation."""
+    from transformers import DynamicCache
+
+    forward_logits(model, DynamicCache(), [0, 0, 0, 0], 1)

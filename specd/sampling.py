@@ -1,0 +1,126 @@
+"""Logits processing, keyed randomness and sparse draft distributions.
+
+Randomness is a pure function of (request seed, absolute position, purpose), not
+a generator held by one worker, so a seeded request draws the same numbers on any
+worker, after any restart, on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import struct
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """Resolved sampling parameters: every field set."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Purpose(enum.IntEnum):
+    """What a random number is for; each purpose draws an independent stream."""
+
+    DRAFT = 1  # the draft samples d_i from q
+    ACCEPT = 2  # the ratio test's uniform for d_i
+    SAMPLE = 3  # the target samples a recovered or bonus token
+
+
+_TWO_POW_53 = float(1 << 53)
+
+
+def keyed_uniform(seed: int, position: int, purpose: Purpose) -> float:
+    """A uniform number in [0, 1) that depends only on its key."""
+    key = struct.pack("<QQB", seed & 0xFFFFFFFFFFFFFFFF, position, int(purpose))
+    word = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    return (word >> 11) / _TWO_POW_53
+
+
+def keyed_uniforms(seed: int, start: int, count: int, purpose: Purpose) -> torch.Tensor:
+    """Uniforms for positions start..start+count-1, as a float64 tensor [count]."""
+    values = [keyed_uniform(seed, start + i, purpose) for i in range(count)]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def logits_to_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, as transformers' warpers apply them.
+
+    logits: [..., V] -> probs [..., V] float32. Greedy settings give the one-hot of the argmax.
+    """
+    logits = logits.float()
+    if settings.greedy:
+        # [..., V] one-hot of the first maximum, as torch.argmax picks it.
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    scores = logits / settings.temperature
+    vocab = scores.shape[-1]
+    if 0 < settings.top_k < vocab:
+        kth = torch.topk(scores, settings.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if settings.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)  # [..., V]
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)  # [..., V]
+        remove_sorted = cumulative <= (1.0 - settings.top_p)
+        remove_sorted[..., -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores.softmax(-1)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling; probs may be unnormalised.
+
+    probs: [B, V], uniforms: [B] in [0, 1) -> token ids [B] (int64).
+    """
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    targets = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    # right=True: the first index whose cdf exceeds the target always has positive mass.
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # [B]
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDist:
+    """A distribution over its support: token ids and probabilities summing to 1."""
+
+    token_ids: list[int]
+    probs: list[float]
+
+
+def truncate_to_top(probs: torch.Tensor, max_support: int) -> SparseDist:
+    """Keep the top-N tokens of probs [V] with positive mass and renormalise."""
+    count = min(max_support, int((probs > 0).sum()))
+    top = torch.topk(probs, count)
+    kept = top.values / top.values.sum()
+    return SparseDist(token_ids=top.indices.tolist(), probs=kept.tolist())
+
+
+def sparse_to_dense(dists: list[SparseDist], vocab_size: int) -> torch.Tensor:
+    """Scatter sparse distributions into a dense float32 tensor [len(dists), V]."""
+    dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32)
+    for row, dist in enumerate(dists):
+        dense[row, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(
+            dist.probs, dtype=torch.float32
+        )
+    return dense
+
+
+def sample_sparse(dist: SparseDist, uniform: float) -> int:
+    """Draw from a sparse distribution with one uniform (inverse CDF over its support)."""
+    cumulative = 0.0
+    target = uniform * sum(dist.probs)
+    for token, prob in zip(dist.token_ids, dist.probs):
+        cumulative += prob
+        if target < cumulative and prob > 0:
+            return token
+    return next(t for t, p in zip(reversed(dist.token_ids), reversed(dist.probs)) if p > 0)

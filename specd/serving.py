@@ -1,0 +1,189 @@
+"""What the three gRPC services share: server set-up, health, reflection, the model thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specd.session_cache import SessionNotFound, SessionStale, TooManySessions
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class ModelThread:
+    """One thread per model: forwards never run on the event loop, and never two at once."""
+
+    def __init__(self, name: str):
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class StatusError(RuntimeError):
+    """An error that carries the gRPC status its caller should get."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class Unavailable(StatusError):
+    """A service this call needs cannot serve now; the caller gets UNAVAILABLE."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ModelLoading(Unavailable):
+    """The worker is up but its model is not loaded and warm yet."""
+
+    def __init__(self, message: str = "the model is still loading; retry shortly"):
+        super().__init__(message)
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as sent; the message names the field to change."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The gRPC status that tells a caller what went wrong, for the errors specd expects."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, SessionStale):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, TooManySessions):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, StatusError):
+        return exc.code, str(exc)
+    return None
+
+
+async def abort_on_error(context: grpc.aio.ServicerContext, exc: BaseException):
+    """Abort the RPC with the mapped status, or INTERNAL with a one-line message (no trace)."""
+    mapped = status_for(exc)
+    if mapped is None:
+        log.exception("unexpected error", exc_info=exc)
+        mapped = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    await context.abort(*mapped)
+
+
+class HealthState:
+    """The standard health service; NOT_SERVING until the model is loaded and warm."""
+
+    def __init__(self, service_names: Iterable[str]):
+        self.servicer = health.aio.HealthServicer()
+        self.service_names = ["", *service_names]
+
+    async def set(self, status) -> None:
+        for name in self.service_names:
+            await self.servicer.set(name, status)
+
+
+def create_server(
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], None],
+    service_full_names: list[str],
+    interceptors: list | None = None,
+) -> tuple[grpc.aio.Server, int, HealthState]:
+    """A grpc.aio server with the given servicers, health and reflection; returns the bound port."""
+    server = grpc.aio.server(interceptors=interceptors or [], options=GRPC_OPTIONS)
+    register(server)
+    health_state = HealthState(service_full_names)
+    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
+    reflection.enable_server_reflection(
+        [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    return server, bound, health_state
+
+
+async def wait_for_termination(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("stopping")
+        await server.stop(grace_s)
+    waiter.cancel()
+    stopper.cancel()
+
+
+async def expire_sessions_forever(thread: ModelThread, expire: Callable[[], list[str]], every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        expired = await thread.run(expire)
+        if expired:
+            log.info("expired %d idle sessions", len(expired))
+
+
+class RunningService:
+    """A started server whose model loads in the background; `ready` completes when it serves."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_state: HealthState, thread: ModelThread | None):
+        self.server = server
+        self.port = port
+        self.health = health_state
+        self.thread = thread
+        self.servicer = None
+        self.ready: asyncio.Future | None = None
+        self.background: list[asyncio.Task] = []
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for task in self.background:
+            task.cancel()
+        if self.ready is not None and not self.ready.done():
+            self.ready.cancel()
+        await self.health.set(NOT_SERVING)
+        await self.server.stop(grace_s)
+        if self.thread is not None:
+            self.thread.shutdown()
+
+    async def serve_until_signal(self) -> None:
+        """Serve until a signal; a model that fails to load stops the server and raises."""
+        stopper = asyncio.ensure_future(wait_for_termination(self.server))
+        done, _ = await asyncio.wait([stopper, self.ready], return_when=asyncio.FIRST_COMPLETED)
+        if self.ready in done and self.ready.exception() is not None:
+            stopper.cancel()
+            await self.stop()
+            raise self.ready.exception()
+        await stopper
+        await self.stop()
+
+
+async def load_then_serve(service: RunningService, load: Callable[[], object], on_loaded: Callable[[object], None]) -> None:
+    """Load (and warm) the model on its thread, hand it over, then report SERVING."""
+    loaded = await service.thread.run(load)
+    on_loaded(loaded)
+    await service.health.set(SERVING)
+    log.info("serving on port %d", service.port)

@@ -1,0 +1,71 @@
+"""Conversions between the wire (specd.v1 messages) and specd's own types, with their checks."""
+
+from __future__ import annotations
+
+from specd.sampling import SamplingSettings, SparseDist
+from specd.serving import InvalidRequest
+from specd.v1 import common_pb2
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams, defaults: SamplingSettings) -> SamplingSettings:
+    """Fill unset fields from `defaults`, then check every value."""
+    settings = SamplingSettings(
+        temperature=message.temperature if message.HasField("temperature") else defaults.temperature,
+        top_k=message.top_k if message.HasField("top_k") else defaults.top_k,
+        top_p=message.top_p if message.HasField("top_p") else defaults.top_p,
+        seed=message.seed if message.HasField("seed") else defaults.seed,
+    )
+    check_sampling(settings)
+    return settings
+
+
+def check_sampling(settings: SamplingSettings) -> None:
+    if not settings.temperature >= 0:  # also rejects NaN
+        raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {settings.temperature}")
+    if settings.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {settings.top_k}")
+    if not 0 < settings.top_p <= 1:
+        raise InvalidRequest(f"top_p must lie in (0, 1] (1 = off), got {settings.top_p}")
+
+
+def sampling_to_proto(settings: SamplingSettings) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed
+    )
+
+
+def sparse_to_proto(dist: SparseDist) -> common_pb2.SparseDistribution:
+    return common_pb2.SparseDistribution(token_ids=dist.token_ids, probs=dist.probs)
+
+
+def sparse_from_proto(message: common_pb2.SparseDistribution, vocab_size: int, field: str) -> SparseDist:
+    ids = list(message.token_ids)
+    probs = list(message.probs)
+    if not ids or len(ids) != len(probs):
+        raise InvalidRequest(f"{field}: token_ids and probs must be non-empty and of equal length")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequest(f"{field}: token ids must lie in [0, {vocab_size})")
+    if min(probs) < 0 or not sum(probs) > 0:
+        raise InvalidRequest(f"{field}: probabilities must be >= 0 with a positive sum")
+    return SparseDist(token_ids=ids, probs=probs)
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
+    ids = list(ids)
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise InvalidRequest(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_committed(message: common_pb2.CommittedTokens, vocab_size: int, context_length: int, extra: int) -> list[int]:
+    """The committed tail's ids, checked; `extra` tokens (a draft) must also fit the context."""
+    tokens = check_token_ids(message.token_ids, vocab_size, "committed.token_ids")
+    if message.start == 0 and not tokens:
+        raise InvalidRequest("committed.token_ids is empty: a session starts with at least one token")
+    total = message.start + len(tokens) + extra
+    if total > context_length:
+        raise InvalidRequest(
+            f"{total} tokens exceed the model's context length of {context_length}; send fewer tokens"
+        )
+    return tokens

@@ -1,0 +1,1 @@
+"""The target worker: hosts the large model and verifies drafts."""

@@ -1,0 +1,63 @@
+"""Start the target worker: gRPC server first (health NOT_SERVING), then load and warm the model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from specd.models import load_causal_lm, set_threads
+from specd.forward import warm_up
+from specd.serving import (
+    NOT_SERVING,
+    ModelThread,
+    RunningService,
+    create_server,
+    expire_sessions_forever,
+    load_then_serve,
+)
+from specd.session_cache import SessionStore
+from specd.v1 import target_pb2, target_pb2_grpc
+from target_service.config import TargetConfig
+from target_service.runner import TargetModelRunner
+from target_service.servicer import TargetServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+
+
+def load_runner(config: TargetConfig) -> TargetModelRunner:
+    set_threads(config.threads)
+    loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
+    warm_up(loaded.model)
+    return TargetModelRunner(loaded, SessionStore(config.max_sessions, config.session_idle_timeout_s))
+
+
+async def start_target(config: TargetConfig, interceptors: list | None = None) -> RunningService:
+    thread = ModelThread("target-model")
+    servicer = TargetServicer(thread, tensor_parallel=config.tensor_parallel)
+    server, port, health_state = create_server(
+        config.host,
+        config.port,
+        lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        interceptors,
+    )
+    service = RunningService(server, port, health_state, thread)
+    await health_state.set(NOT_SERVING)
+    await server.start()
+
+    def on_loaded(runner: TargetModelRunner) -> None:
+        servicer.runner = runner
+        service.background.append(
+            asyncio.ensure_future(expire_sessions_forever(thread, runner.expire_idle, every_s=10.0))
+        )
+
+    service.ready = asyncio.ensure_future(load_then_serve(service, lambda: load_runner(config), on_loaded))
+    return service
+
+
+async def serve(config: TargetConfig) -> None:
+    service = await start_target(config)
+    log.info("target worker listening on %s:%d, loading %s", config.host, service.port, config.model)
+    await service.serve_until_signal()

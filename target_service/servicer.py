@@ -1,0 +1,105 @@
+"""TargetWorker gRPC servicer: checks requests, runs them on the model thread."""
+
+from __future__ import annotations
+
+from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
+from specd.v1 import target_pb2, target_pb2_grpc
+from specd.wire import check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
+from target_service.runner import TargetModelRunner
+
+_KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
+
+
+class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, thread: ModelThread, tensor_parallel: int = 1):
+        self._thread = thread
+        self._tensor_parallel = tensor_parallel
+        self.runner: TargetModelRunner | None = None  # set once the model is loaded
+
+    def _ready_runner(self) -> TargetModelRunner:
+        if self.runner is None:
+            raise ModelLoading()
+        return self.runner
+
+    async def Prefill(self, request, context):
+        try:
+            runner = self._ready_runner()
+            _require_session_id(request.session_id)
+            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
+            cached, forward_ms = await self._thread.run(
+                runner.prefill, request.session_id, request.committed.start, tokens
+            )
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
+            await abort_on_error(context, exc)
+        return target_pb2.TargetPrefillResponse(cached_tokens=cached, forward_ms=forward_ms)
+
+    async def Verify(self, request, context):
+        try:
+            runner = self._ready_runner()
+            loaded = runner.loaded
+            _require_session_id(request.session_id)
+            num_draft = len(request.draft_tokens)
+            tokens = check_committed(request.committed, loaded.vocab_size, loaded.context_length, num_draft)
+            draft_tokens = check_token_ids(request.draft_tokens, loaded.vocab_size, "draft_tokens")
+            sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
+            dists = []
+            if not sampling.greedy:
+                if len(request.draft_probs) != num_draft:
+                    raise InvalidRequest(
+                        f"draft_probs has {len(request.draft_probs)} entries for {num_draft} draft tokens"
+                    )
+                for i, (token, message) in enumerate(zip(draft_tokens, request.draft_probs)):
+                    dist = sparse_from_proto(message, loaded.vocab_size, f"draft_probs[{i}]")
+                    if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
+                        raise InvalidRequest(f"draft_tokens[{i}] is not in the support of draft_probs[{i}]")
+                    dists.append(dist)
+            outcome = await self._thread.run(
+                runner.verify,
+                request.session_id,
+                request.committed.start,
+                tokens,
+                draft_tokens,
+                dists,
+                sampling,
+                request.return_logprobs,
+            )
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return target_pb2.VerifyResponse(
+            accepted=outcome.accepted,
+            next_token=outcome.next_token,
+            next_token_kind=_KIND[outcome.is_bonus],
+            logprobs=outcome.logprobs,
+            forward_ms=outcome.forward_ms,
+            cached_tokens=outcome.cached_tokens,
+        )
+
+    async def EndSession(self, request, context):
+        try:
+            runner = self._ready_runner()
+            existed = await self._thread.run(runner.end_session, request.session_id)
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return target_pb2.TargetEndSessionResponse(existed=existed)
+
+    async def Info(self, request, context):
+        try:
+            loaded = self._ready_runner().loaded
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return target_pb2.TargetInfo(
+            model=loaded.name,
+            vocab_size=loaded.vocab_size,
+            context_length=loaded.context_length,
+            eos_token_ids=list(loaded.eos_token_ids),
+            default_sampling=sampling_to_proto(loaded.default_sampling),
+            dtype=loaded.dtype,
+            device=loaded.device,
+            tensor_parallel=self._tensor_parallel,
+            tokenizer_fingerprint=loaded.tokenizer_fingerprint,
+        )
+
+
+def _require_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidRequest("session_id is empty")

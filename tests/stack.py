@@ -1,0 +1,92 @@
+"""The three services, started in-process on port 0 on an event loop in a background thread.
+
+Tests talk to them through real gRPC channels, as any client would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.server import start_coordinator
+from draft_service.config import DraftConfig
+from draft_service.server import start_draft
+from specd.v1 import coordinator_pb2_grpc
+from target_service.config import TargetConfig
+from target_service.server import start_target
+
+
+class ServiceStack:
+    def __init__(self, target_model: str, draft_model: str | None, coordinator_overrides: dict | None = None, draft_overrides: dict | None = None):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.target_model = target_model
+        self.draft_model = draft_model
+        self.coordinator_overrides = coordinator_overrides or {}
+        self.draft_overrides = draft_overrides or {}
+        self.target = self.draft = self.coordinator = None
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> "ServiceStack":
+        self.target = self.run(self._start_target())
+        if self.draft_model is not None:
+            self.draft = self.run(self._start_draft())
+        self.coordinator = self.run(self._start_coordinator())
+        return self
+
+    async def _start_target(self):
+        service = await start_target(TargetConfig(model=self.target_model, host="127.0.0.1", port=0, metrics_port=-1, device="cpu"))
+        await service.ready
+        return service
+
+    async def _start_draft(self, port: int = 0):
+        config = DraftConfig(model=self.draft_model, host="127.0.0.1", port=port, metrics_port=-1, device="cpu")
+        service = await start_draft(dataclasses.replace(config, **self.draft_overrides))
+        await service.ready
+        return service
+
+    async def _start_coordinator(self):
+        config = CoordinatorConfig(
+            host="127.0.0.1",
+            port=0,
+            metrics_port=-1,
+            target_address=f"127.0.0.1:{self.target.port}",
+            draft_address=f"127.0.0.1:{self.draft.port}" if self.draft is not None else "",
+            draft_retry_s=0.2,
+            worker_timeout_s=30.0,
+        )
+        service = await start_coordinator(dataclasses.replace(config, **self.coordinator_overrides))
+        await service.ready
+        return service
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.coordinator.port}"
+
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        channel = grpc.insecure_channel(self.address)
+        return coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def stop_draft(self) -> None:
+        self.run(self.draft.stop(0))
+
+    def restart_draft(self) -> None:
+        """A fresh draft worker on the same port: every session it held is gone."""
+        self.draft = self.run(self._start_draft(port=self.draft.port))
+
+    def close(self) -> None:
+        for service in (self.coordinator, self.draft, self.target):
+            if service is not None:
+                try:
+                    self.run(service.stop(0), timeout=10)
+                except Exception:  # noqa: BLE001 - already stopped
+                    pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)

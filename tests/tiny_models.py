@@ -1,0 +1,91 @@
+"""Tiny real models built in the test process: a BPE tokenizer, a Llama target, and drafts.
+
+Weights are random but peaked (a large init range), so greedy decoding rarely meets
+a near-tie; the draft is a perturbed copy of the target, so that its proposals are
+accepted often but not always and every acceptance count 0..K occurs.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+EOS = "<|endoftext|>"
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+    "The quick brown fox jumps over the lazy dog. Speculative decoding keeps outputs exact.\n",
+    "while True:\n    line = stream.readline()\n    if not line:\n        break\n",
+]
+
+
+def build_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS, pad_token=EOS, unk_token=EOS
+    )
+
+
+def build_llama(vocab_size: int, seed: int, hidden: int = 64, layers: int = 2, init_range: float = 0.25, eos_id: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init_range,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def perturbed_copy(model, noise: float, seed: int):
+    """The same architecture and weights plus Gaussian noise of `noise` times each tensor's std."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            if param.numel() > 1:
+                scale = noise * float(param.std())
+                param.add_(torch.randn(param.shape, generator=generator) * scale)
+    return draft
+
+
+def save_pair(root: pathlib.Path, noise: float = 0.02, seed: int = 0) -> tuple[str, str]:
+    """Write a target and a perturbed draft (same tokenizer) under root; return their folders."""
+    tokenizer = build_tokenizer()
+    target = build_llama(len(tokenizer), seed=seed, eos_id=tokenizer.eos_token_id)
+    draft = perturbed_copy(target, noise, seed + 1)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        folder = root / name
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        paths.append(str(folder))
+    return paths[0], paths[1]
