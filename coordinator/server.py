@@ -98,5 +98,5 @@ async def start_coordinator(config: CoordinatorConfig, interceptors: list | None
 
 async def serve(config: CoordinatorConfig) -> None:
     service = await start_coordinator(config)
-    log.info("coordinator listening on %s:%d", config.host, service.port)
+    log.info("coordinator started on %s:%d", config.host, service.port)
     await service.serve_until_signal()

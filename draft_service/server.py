@@ -53,5 +53,5 @@ async def start_draft(config: DraftConfig, interceptors: list | None = None) -> 
 
 async def serve(config: DraftConfig) -> None:
     service = await start_draft(config)
-    log.info("draft worker listening on %s:%d, loading %s", config.host, service.port, config.model)
+    log.info("draft worker started on %s:%d, loading %s", config.host, service.port, config.model)
     await service.serve_until_signal()

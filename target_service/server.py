@@ -59,5 +59,5 @@ async def start_target(config: TargetConfig, interceptors: list | None = None) -
 
 async def serve(config: TargetConfig) -> None:
     service = await start_target(config)
-    log.info("target worker listening on %s:%d, loading %s", config.host, service.port, config.model)
+    log.info("target worker started on %s:%d, loading %s", config.host, service.port, config.model)
     await service.serve_until_signal()

@@ -1,0 +1,5 @@
+import sys
+
+from specd.cli import main
+
+sys.exit(main())

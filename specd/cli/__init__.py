@@ -1,0 +1,45 @@
+"""The `specd` command: serve, up, generate, bench, trace."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand -> module with add_parser(subparsers) and run(args) -> int; imported lazily
+# so that `specd generate` does not pay for importing torch.
+COMMANDS = {
+    "serve": "specd.cli.serve",
+    "up": "specd.cli.up",
+    "generate": "specd.cli.generate",
+    "bench": "specd.cli.bench",
+    "trace": "specd.cli.trace",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="speculative speculative decoding over gRPC")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    wanted = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, module_name in COMMANDS.items():
+        if wanted is None or name == wanted:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name != module_name:
+                    raise
+                continue  # a subcommand not built yet
+            module.add_parser(subparsers)
+        else:
+            subparsers.add_parser(name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

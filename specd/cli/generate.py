@@ -1,0 +1,145 @@
+"""`specd generate`: one request to a running coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEFAULT_ADDRESS = "localhost:50051"
+FINISH_REASONS = {0: "", 1: "stop", 2: "length"}
+MODES = ("auto", "ssd", "sd", "off")
+
+
+def default_address() -> str:
+    """SPECD_ADDRESS, else the address a running `specd up` printed, else localhost:50051."""
+    if os.environ.get("SPECD_ADDRESS"):
+        return os.environ["SPECD_ADDRESS"]
+    from specd.cli.up import state_file
+
+    try:
+        state = json.loads(state_file().read_text())
+        os.kill(int(state["pid"]), 0)
+        return state["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_ADDRESS
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text through a running coordinator")
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    parser.add_argument("--address", default=None, help="coordinator HOST:PORT (default: the one `specd up` printed)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--mode", choices=MODES, default="auto", help="speculation mode")
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="K draft tokens per round")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    parser.add_argument("--logprobs", action="store_true", help="return each token's target log-probability")
+    parser.add_argument("--timeout", type=float, default=600.0, help="request deadline in seconds")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    parser.set_defaults(run=run)
+
+
+def build_request(args: argparse.Namespace):
+    from specd.v1 import common_pb2, coordinator_pb2
+
+    sampling = common_pb2.SamplingParams()
+    for field in ("temperature", "top_k", "top_p", "seed"):
+        value = getattr(args, field)
+        if value is not None:
+            setattr(sampling, field, value)
+    speculation = coordinator_pb2.SpeculationParams(
+        mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{args.mode.upper()}")
+    )
+    if args.num_speculative_tokens is not None:
+        speculation.num_speculative_tokens = args.num_speculative_tokens
+    request = coordinator_pb2.GenerateRequest(
+        prompt=args.prompt,
+        sampling=sampling,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        speculation=speculation,
+        return_logprobs=args.logprobs,
+    )
+    if args.max_new_tokens is not None:
+        request.max_new_tokens = args.max_new_tokens
+    return request
+
+
+def stats_dict(stats) -> dict:
+    from specd.v1 import coordinator_pb2
+
+    return {
+        "mode": coordinator_pb2.SpeculationMode.Name(stats.mode).removeprefix("SPECULATION_MODE_").lower(),
+        "rounds": stats.rounds,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "cache_hits": stats.cache_hits,
+        "cache_misses": stats.cache_misses,
+        "cache_hit_rate": stats.cache_hit_rate,
+        "draft_wait_ms": stats.draft_wait_ms,
+        "fallback_reason": stats.fallback_reason,
+        "seed": stats.seed,
+    }
+
+
+def response_dict(response) -> dict:
+    result = {
+        "text": response.text,
+        "token_ids": list(response.token_ids),
+        "finish_reason": FINISH_REASONS.get(response.finish_reason, ""),
+        "stop_reason": response.stop_reason,
+        "usage": {
+            "prompt_tokens": response.usage.prompt_tokens,
+            "completion_tokens": response.usage.completion_tokens,
+            "total_tokens": response.usage.total_tokens,
+        },
+        "stats": stats_dict(response.stats),
+        "trace_id": response.trace_id,
+        "request_id": response.request_id,
+    }
+    if response.logprobs:
+        result["logprobs"] = list(response.logprobs)
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specd.v1 import coordinator_pb2_grpc
+
+    address = args.address or default_address()
+    request = build_request(args)
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        try:
+            if args.json:
+                response = stub.Generate(request, timeout=args.timeout)
+                print(json.dumps(response_dict(response)))
+            else:
+                last = None
+                for message in stub.GenerateStream(request, timeout=args.timeout):
+                    sys.stdout.write(message.text)
+                    sys.stdout.flush()
+                    last = message
+                sys.stdout.write("\n")
+                if last is not None:
+                    stats = stats_dict(last.stats)
+                    print(
+                        f"[{FINISH_REASONS.get(last.finish_reason, '')}] {last.usage.completion_tokens} tokens, "
+                        f"mode {stats['mode']}, {stats['rounds']} rounds, "
+                        f"mean acceptance length {stats['mean_acceptance_length']:.2f}",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as exc:
+            print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
