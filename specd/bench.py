@@ -1,0 +1,161 @@
+"""`specd bench`: target-only, sd, ssd and HF assisted generation, side by side in one run.
+
+The three specd modes go through real services over loopback gRPC; HF assisted
+generation runs in this process on the same pair with the same total threads.
+Modes run interleaved and repeated so that drift on a shared machine hits all alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+SPECD_MODES = ("off", "sd", "ssd")
+ALL_MODES = (*SPECD_MODES, "hf_assisted")
+
+
+@dataclasses.dataclass
+class ModeRun:
+    """One pass of one mode over the whole prompt set."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run_specd_mode(stub, prompts: list[str], mode: str, max_new_tokens: int, k: int) -> ModeRun:
+    from specd.v1 import common_pb2, coordinator_pb2
+
+    run = ModeRun()
+    for prompt in prompts:
+        request = coordinator_pb2.GenerateRequest(
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=True,
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+            speculation=coordinator_pb2.SpeculationParams(
+                mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{mode.upper()}"), num_speculative_tokens=k
+            ),
+        )
+        started = time.perf_counter()
+        response = stub.Generate(request, timeout=600)
+        run.seconds += time.perf_counter() - started
+        run.tokens += len(response.token_ids)
+        run.rounds += response.stats.rounds
+        run.draft_tokens += response.stats.draft_tokens
+        run.accepted_tokens += response.stats.accepted_tokens
+        run.cache_hits += response.stats.cache_hits
+        run.cache_misses += response.stats.cache_misses
+        run.outputs.append(list(response.token_ids))
+    return run
+
+
+class HFAssisted:
+    """transformers `generate(assistant_model=...)` on the same pair, in this process."""
+
+    def __init__(self, target_path: str, draft_path: str, threads: int):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        transformers.logging.set_verbosity_error()  # generate() warns about min_new_tokens on every call
+        torch.set_num_threads(threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(target_path)
+        self.target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+
+    def run(self, prompts: list[str], max_new_tokens: int) -> ModeRun:
+        import torch
+
+        run = ModeRun()
+        for prompt in prompts:
+            ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = self.target.generate(
+                    ids,
+                    assistant_model=self.draft,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens,  # like ignore_eos: every run emits the same count
+                    do_sample=False,
+                )
+            run.seconds += time.perf_counter() - started
+            new = out[0, ids.shape[1] :].tolist()
+            run.tokens += len(new)
+            run.outputs.append(new)
+        return run
+
+    def verify_ms(self, prompt: str, k: int, repeats: int = 30) -> float:
+        """Median time of one target forward over K+1 tokens after the prompt (KV cache in use)."""
+        import torch
+        from transformers import DynamicCache
+
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats):
+                cache = DynamicCache()
+                self.target(ids[:, :-1], past_key_values=cache, use_cache=True)
+                block = ids[:, -1:].repeat(1, k + 1)  # [1, K+1]
+                started = time.perf_counter()
+                self.target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)
+                times.append((time.perf_counter() - started) * 1000.0)
+        return statistics.median(times)
+
+
+def summarize(runs: dict[str, list[ModeRun]]) -> dict:
+    """Median tokens/s over repeats, the spread, and the acceptance figures of all runs."""
+    modes = {}
+    for mode, mode_runs in runs.items():
+        rates = [r.tokens_per_s for r in mode_runs]
+        rounds = sum(r.rounds for r in mode_runs)
+        draft = sum(r.draft_tokens for r in mode_runs)
+        accepted = sum(r.accepted_tokens for r in mode_runs)
+        lookups = sum(r.cache_hits + r.cache_misses for r in mode_runs)
+        tokens = sum(r.tokens for r in mode_runs)
+        speculative = mode in ("sd", "ssd")
+        modes[mode] = {
+            "tokens_per_s": statistics.median(rates),
+            "tokens_per_s_min": min(rates),
+            "tokens_per_s_max": max(rates),
+            "acceptance_rate": accepted / draft if draft else None,
+            "tokens_per_round": tokens / rounds if rounds else None,
+            "cache_hit_rate": sum(r.cache_hits for r in mode_runs) / lookups if lookups else None,
+        }
+        if not speculative:
+            modes[mode]["acceptance_rate"] = modes[mode]["acceptance_rate"] if draft else None
+    return modes
+
+
+def format_table(result: dict) -> str:
+    off = result["modes"].get("off", {}).get("tokens_per_s")
+    lines = [f"{'mode':<12}{'tok/s':>8}{'spread':>16}{'x off':>8}{'accept':>8}{'tok/round':>10}{'hit rate':>10}"]
+
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    for mode, m in result["modes"].items():
+        ratio = m["tokens_per_s"] / off if off else None
+        spread = f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"
+        lines.append(
+            f"{mode:<12}{m['tokens_per_s']:>8.1f}{spread:>16}{fmt(ratio, '.2f'):>8}"
+            f"{fmt(m['acceptance_rate'], '.3f'):>8}{fmt(m['tokens_per_round'], '.2f'):>10}"
+            f"{fmt(m['cache_hit_rate'], '.2f'):>10}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
