@@ -158,6 +158,9 @@ class RunningService:
         self.servicer = None
         self.ready: asyncio.Future | None = None
         self.background: list[asyncio.Task] = []
+        self.metrics = None  # the service's specd.metrics.ServiceMetrics
+        self.tracer_provider = None
+        self.closers: list[Callable[[], None]] = []  # run once the server has stopped
 
     async def stop(self, grace_s: float = 1.0) -> None:
         for task in self.background:
@@ -168,6 +171,9 @@ class RunningService:
         await self.server.stop(grace_s)
         if self.thread is not None:
             self.thread.shutdown()
+        for close in self.closers:
+            close()
+        self.closers.clear()
 
     async def serve_until_signal(self) -> None:
         """Serve until a signal; a model that fails to load stops the server and raises."""

@@ -1,0 +1,40 @@
+# specd: every target the README names.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SPECD := $(VENV)/bin/specd
+PROMPT ?= def fibonacci(n):
+
+.PHONY: setup demo test protos bench deploy-check clean
+
+# A virtual environment with specd and its test tools (CPU torch 2.13.0).
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+# Start the stack on the bundled demo pair, generate once, stop the stack.
+demo: setup
+	$(PY) tools/demo.py --prompt '$(PROMPT)'
+
+# The whole test suite (what CI runs).
+test: setup
+	$(PY) -m pytest -q
+
+# Regenerate specd/v1 from protos/ (pinned grpcio-tools; a test checks it changes nothing).
+protos: setup
+	$(PY) tools/gen_protos.py
+
+bench: setup
+	$(SPECD) bench
+
+# Render every overlay and validate it strictly, offline.
+deploy-check: setup
+	$(PY) -m pytest -q tests/test_deploy.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
