@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     print(f"specd up: logs in {log_dir}", file=sys.stderr, flush=True)
     try:
         deadline = time.monotonic() + args.startup_timeout
