@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import threading
+
+from draft_service.speculation import SpeculationResult, build, draft_distribution, sample_draft_token
 from specd.forward import forward_logits
 from specd.models import LoadedModel
-from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, logits_to_probs, sample_sparse, truncate_to_top
+from specd.sampling import SamplingSettings, SparseDist
 from specd.session_cache import SessionStore
 
 
@@ -40,8 +43,11 @@ class DraftModelRunner:
         num_tokens: int,
         sampling: SamplingSettings,
         max_support: int,
+        saguaro_c: float = 1.0,
+        saguaro_fanout: list[int] | None = None,
     ) -> Proposal:
         """Draft `num_tokens` tokens autoregressively after the committed history."""
+        saguaro_fanout = saguaro_fanout or []
         session = self.sessions.open(session_id, start)
         committed, feed = session.sync(start, tokens)
         support = max_support or self.max_support
@@ -52,20 +58,45 @@ class DraftModelRunner:
             logits, forward_ms = forward_logits(self.loaded.model, session.cache, feed, 1)  # [1, V]
             session.extend(feed)
             total_ms += forward_ms
-            dist = self._draft_distribution(logits[0], sampling, support)
-            position = len(committed) + i
-            token = sample_sparse(dist, keyed_uniform(sampling.seed, position, Purpose.DRAFT))
+            saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
+            dist = draft_distribution(logits[0], sampling, support, saguaro_c, saguaro_f)
+            token = sample_draft_token(dist, sampling, len(committed) + i)
             draft_tokens.append(token)
             dists.append(dist)
             feed = [token]
         return Proposal(draft_tokens=draft_tokens, draft_dists=dists, forward_ms=total_ms)
 
-    @staticmethod
-    def _draft_distribution(logits, sampling: SamplingSettings, max_support: int) -> SparseDist:
-        """q: the target's own logits processing, then the top-N tokens renormalised."""
-        if sampling.greedy:
-            return SparseDist(token_ids=[int(logits.argmax())], probs=[1.0])
-        return truncate_to_top(logits_to_probs(logits, sampling), max_support)
+    def speculate(
+        self,
+        session_id: str,
+        start: int,
+        tokens: list[int],
+        draft_tokens: list[int],
+        num_tokens: int,
+        fanout: list[int],
+        sampling: SamplingSettings,
+        max_support: int,
+        saguaro_c: float,
+        saguaro_fanout: list[int],
+        cancel: threading.Event,
+    ) -> SpeculationResult:
+        """SSD: the speculation cache for the round verifying `draft_tokens` (see speculation.py)."""
+        session = self.sessions.open(session_id, start)
+        committed, feed = session.sync(start, tokens)
+        return build(
+            self.loaded.model,
+            session,
+            committed,
+            feed,
+            draft_tokens,
+            num_tokens,
+            fanout,
+            sampling,
+            max_support or self.max_support,
+            saguaro_c,
+            saguaro_fanout,
+            cancel,
+        )
 
     def end_session(self, session_id: str) -> bool:
         return self.sessions.end(session_id)

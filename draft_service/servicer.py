@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 from draft_service.runner import DraftModelRunner
+from draft_service.speculation import SpeculationCancelled
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
 from specd.v1 import draft_pb2, draft_pb2_grpc
-from specd.wire import check_committed, sampling_from_proto, sparse_to_proto
+from specd.wire import check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
 
 MAX_DRAFT_TOKENS = 64
+MAX_BRANCHES = 512  # one tree step feeds this many tokens at most
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
@@ -51,6 +56,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 request.num_tokens,
                 sampling,
                 request.max_support,
+                *_saguaro(request.saguaro),
             )
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
@@ -59,6 +65,56 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             draft_probs=[sparse_to_proto(d) for d in proposal.draft_dists],
             forward_ms=proposal.forward_ms,
         )
+
+    async def Speculate(self, request, context):
+        # Cancelling the call (the coordinator stopped waiting) stops the build between steps;
+        # the model thread is then free for the next Propose or Speculate.
+        cancel = threading.Event()
+        try:
+            runner = self._ready_runner()
+            loaded = runner.loaded
+            _require_session_id(request.session_id)
+            draft_tokens = check_token_ids(request.draft_tokens, loaded.vocab_size, "draft_tokens")
+            fanout = list(request.fanout)
+            if len(fanout) != len(draft_tokens) + 1:
+                raise InvalidRequest(
+                    f"fanout needs one entry per outcome k in 0..K: {len(draft_tokens) + 1}, got {len(fanout)}"
+                )
+            if sum(fanout) > MAX_BRANCHES:
+                raise InvalidRequest(f"fanout sums to {sum(fanout)} branches; at most {MAX_BRANCHES}")
+            if not 0 <= request.num_tokens <= MAX_DRAFT_TOKENS:
+                raise InvalidRequest(f"num_tokens must lie in [0, {MAX_DRAFT_TOKENS}], got {request.num_tokens}")
+            tokens = check_committed(
+                request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens
+            )
+            sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
+            result = await self._thread.run(
+                runner.speculate,
+                request.session_id,
+                request.committed.start,
+                tokens,
+                draft_tokens,
+                request.num_tokens,
+                fanout,
+                sampling,
+                request.max_support,
+                *_saguaro(request.saguaro),
+                cancel,
+            )
+        except (asyncio.CancelledError, SpeculationCancelled):
+            cancel.set()
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        for branch in result.branches:
+            yield draft_pb2.SpeculationEntry(
+                accepted=branch.accepted,
+                next_token=branch.next_token,
+                draft_tokens=branch.draft_tokens,
+                draft_probs=[sparse_to_proto(d) for d in branch.draft_dists],
+                forward_ms=result.forward_ms,
+                branches=len(result.branches),
+            )
 
     async def EndSession(self, request, context):
         try:
@@ -81,6 +137,15 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             device=loaded.device,
             tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         )
+
+
+def _saguaro(params: draft_pb2.SaguaroParams) -> tuple[float, list[int]]:
+    """(c, per-position fan-out); an unset message (c = 0, no fan-out) means off."""
+    if not params.fanout:
+        return 1.0, []
+    if not 0.0 <= params.c <= 1.0:
+        raise InvalidRequest(f"saguaro.c must lie in [0, 1] (1 = off), got {params.c}")
+    return params.c, list(params.fanout)
 
 
 def _require_session_id(session_id: str) -> None:

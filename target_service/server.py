@@ -15,7 +15,9 @@ from specd.serving import (
     expire_sessions_forever,
     load_then_serve,
 )
+from specd.metrics import WorkerMetrics
 from specd.session_cache import SessionStore
+from specd.telemetry import SERVICE_NAMES, get_tracer, server_interceptors, tracer_provider_from_env
 from specd.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.runner import TargetModelRunner
@@ -33,9 +35,15 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     return TargetModelRunner(loaded, SessionStore(config.max_sessions, config.session_idle_timeout_s))
 
 
-async def start_target(config: TargetConfig, interceptors: list | None = None) -> RunningService:
+async def start_target(config: TargetConfig, interceptors: list | None = None, tracer_provider=None) -> RunningService:
+    """tracer_provider: None builds one from the OTEL_* env vars; interceptors: None traces RPCs."""
+    provider = tracer_provider or tracer_provider_from_env(SERVICE_NAMES["target"])
+    if interceptors is None:
+        interceptors = server_interceptors(provider)
     thread = ModelThread("target-model")
     servicer = TargetServicer(thread, tensor_parallel=config.tensor_parallel)
+    servicer.tracer = get_tracer(provider)
+    servicer.metrics = WorkerMetrics()
     server, port, health_state = create_server(
         config.host,
         config.port,
@@ -44,11 +52,14 @@ async def start_target(config: TargetConfig, interceptors: list | None = None) -
         interceptors,
     )
     service = RunningService(server, port, health_state, thread)
+    service.tracer_provider = provider
+    servicer.metrics.serve_for(service, config.host, config.metrics_port)
     await health_state.set(NOT_SERVING)
     await server.start()
 
     def on_loaded(runner: TargetModelRunner) -> None:
         servicer.runner = runner
+        servicer.metrics.track_sessions(lambda: len(runner.sessions))
         service.background.append(
             asyncio.ensure_future(expire_sessions_forever(thread, runner.expire_idle, every_s=10.0))
         )

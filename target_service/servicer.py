@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
+from specd.telemetry import get_tracer, set_specd, worker_span
 from specd.v1 import target_pb2, target_pb2_grpc
 from specd.wire import check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from target_service.runner import TargetModelRunner
@@ -15,6 +16,12 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         self._thread = thread
         self._tensor_parallel = tensor_parallel
         self.runner: TargetModelRunner | None = None  # set once the model is loaded
+        self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_target
+        self.metrics = None
+
+    def _observe(self, op: str, forward_ms: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_forward(op, forward_ms)
 
     def _ready_runner(self) -> TargetModelRunner:
         if self.runner is None:
@@ -29,6 +36,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             cached, forward_ms = await self._thread.run(
                 runner.prefill, request.session_id, request.committed.start, tokens
             )
+            self._observe("prefill", forward_ms)
         except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
         return target_pb2.TargetPrefillResponse(cached_tokens=cached, forward_ms=forward_ms)
@@ -53,16 +61,21 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
                     if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
                         raise InvalidRequest(f"draft_tokens[{i}] is not in the support of draft_probs[{i}]")
                     dists.append(dist)
-            outcome = await self._thread.run(
-                runner.verify,
-                request.session_id,
-                request.committed.start,
-                tokens,
-                draft_tokens,
-                dists,
-                sampling,
-                request.return_logprobs,
-            )
+            with worker_span(
+                self.tracer, "spec_verify", tokens_verified=num_draft + 1, new_committed_tokens=len(tokens)
+            ) as span:
+                outcome = await self._thread.run(
+                    runner.verify,
+                    request.session_id,
+                    request.committed.start,
+                    tokens,
+                    draft_tokens,
+                    dists,
+                    sampling,
+                    request.return_logprobs,
+                )
+                set_specd(span, forward_ms=outcome.forward_ms, accepted=outcome.accepted, bonus=outcome.is_bonus)
+            self._observe("verify", outcome.forward_ms)
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
         return target_pb2.VerifyResponse(

@@ -24,18 +24,64 @@ class DraftPrefillResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "committed", "num_tokens", "sampling", "max_support")
+    __slots__ = ("session_id", "committed", "num_tokens", "sampling", "max_support", "saguaro")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    SAGUARO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed: _common_pb2.CommittedTokens
     num_tokens: int
     sampling: _common_pb2.SamplingParams
     max_support: int
-    def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[_common_pb2.CommittedTokens, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support: _Optional[int] = ...) -> None: ...
+    saguaro: SaguaroParams
+    def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[_common_pb2.CommittedTokens, _Mapping]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support: _Optional[int] = ..., saguaro: _Optional[_Union[SaguaroParams, _Mapping]] = ...) -> None: ...
+
+class SaguaroParams(_message.Message):
+    __slots__ = ("c", "fanout")
+    C_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
+    c: float
+    fanout: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, c: _Optional[float] = ..., fanout: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SpeculateRequest(_message.Message):
+    __slots__ = ("session_id", "committed", "draft_tokens", "num_tokens", "fanout", "sampling", "max_support", "saguaro")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    SAGUARO_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    committed: _common_pb2.CommittedTokens
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    fanout: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    max_support: int
+    saguaro: SaguaroParams
+    def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[_common_pb2.CommittedTokens, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fanout: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support: _Optional[int] = ..., saguaro: _Optional[_Union[SaguaroParams, _Mapping]] = ...) -> None: ...
+
+class SpeculationEntry(_message.Message):
+    __slots__ = ("accepted", "next_token", "draft_tokens", "draft_probs", "forward_ms", "branches")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    next_token: int
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    forward_ms: float
+    branches: int
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "draft_probs", "forward_ms")

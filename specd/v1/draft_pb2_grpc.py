@@ -45,6 +45,11 @@ class DraftWorkerStub:
                 request_serializer=specd_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.Speculate = channel.unary_stream(
+                '/specd.v1.DraftWorker/Speculate',
+                request_serializer=specd_dot_v1_dot_draft__pb2.SpeculateRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_draft__pb2.SpeculationEntry.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specd.v1.DraftWorker/EndSession',
                 request_serializer=specd_dot_v1_dot_draft__pb2.DraftEndSessionRequest.SerializeToString,
@@ -74,6 +79,15 @@ class DraftWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Speculate(self, request, context):
+        """SSD: while the target verifies d_1..d_K, predict its outcomes (k, t*) and draft K' tokens
+        after each; one entry per branch, streamed once the tree is built. Cancelling the call
+        stops the build between steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -98,6 +112,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specd_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specd_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'Speculate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Speculate,
+                    request_deserializer=specd_dot_v1_dot_draft__pb2.SpeculateRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_draft__pb2.SpeculationEntry.SerializeToString,
             ),
             'EndSession': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSession,
@@ -165,6 +184,33 @@ class DraftWorker:
             '/specd.v1.DraftWorker/Propose',
             specd_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specd_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Speculate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specd.v1.DraftWorker/Speculate',
+            specd_dot_v1_dot_draft__pb2.SpeculateRequest.SerializeToString,
+            specd_dot_v1_dot_draft__pb2.SpeculationEntry.FromString,
             options,
             channel_credentials,
             insecure,

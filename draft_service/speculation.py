@@ -1,0 +1,168 @@
+"""The speculation cache's tree build (SSD): predict verification outcomes, draft after each.
+
+While the target verifies d_1..d_K, the draft guesses the outcome (k accepted, t*). At each
+position j (after d_j; j = 0 is after the last committed token) the guesses are the draft's
+top-F_j tokens other than d_{j+1} (a rejected token has zero residual mass, so it is never
+t*). Every guess g starts a branch; K' batched forwards then extend all B branches by one
+token each.
+
+Cost: one forward over [pending committed..., d_1..d_K] (step 0) and K' forwards of B tokens.
+The prefix KV cache is never copied: the B branch tokens of each step are appended to the
+session's own DynamicCache as one flattened tree, and a 4-D attention mask lets branch b see
+the prefix up to d_{j_b}, its own earlier tokens and itself, at explicit absolute positions.
+Afterwards the tree is cropped off, leaving the cache at committed + d_1..d_K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch
+
+from specd.saguaro import reshape
+from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, logits_to_probs, sample_sparse, truncate_to_top
+from specd.session_cache import Session, _croppable
+from specd.forward import forward_logits
+
+
+class SpeculationCancelled(Exception):
+    """The caller gave up on this build (verification came back first); the cache is restored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    accepted: int  # k: the outcome this branch assumes
+    next_token: int  # t*: its guessed recovered or bonus token
+    draft_tokens: list[int]  # the next round's draft after committed + d_1..d_k + t*
+    draft_dists: list[SparseDist]  # the q each was sampled from
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationResult:
+    branches: list[Branch]
+    forward_ms: float  # step 0 plus the K' tree steps
+
+
+def draft_distribution(logits: torch.Tensor, sampling: SamplingSettings, max_support: int, saguaro_c: float, saguaro_f: int) -> SparseDist:
+    """The q a draft token is sampled from: processed like the target's, top-N, Saguaro-reshaped.
+
+    logits: [V]. Greedy: the one-hot of the argmax (Saguaro has no effect at temperature 0).
+    """
+    if sampling.greedy:
+        return SparseDist(token_ids=[int(logits.argmax())], probs=[1.0])
+    dist = truncate_to_top(logits_to_probs(logits, sampling), max_support)
+    return reshape(dist, saguaro_f, saguaro_c)
+
+
+def sample_draft_token(dist: SparseDist, sampling: SamplingSettings, position: int) -> int:
+    """The draft token at absolute `position`: keyed by (seed, position, DRAFT) however it is produced."""
+    if sampling.greedy:
+        return dist.token_ids[0]
+    return sample_sparse(dist, keyed_uniform(sampling.seed, position, Purpose.DRAFT))
+
+
+def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int]) -> list[tuple[int, int]]:
+    """(j, g) for every branch: the top-F_j tokens at position j, d_{j+1} left out for j < K.
+
+    logits: [K+1, V]. Ranked by the raw draft logits, whose order every q shares.
+    """
+    roots: list[tuple[int, int]] = []
+    vocab = logits.shape[-1]
+    for j, count in enumerate(fanout):
+        if count <= 0:
+            continue
+        ranked = torch.topk(logits[j], min(count + 1, vocab)).indices.tolist()
+        excluded = draft_tokens[j] if j < len(draft_tokens) else None
+        roots.extend((j, g) for g in [t for t in ranked if t != excluded][:count])
+    return roots
+
+
+def _tree_mask(prefix_visible: torch.Tensor, prefix_len: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [1, 1, B, prefix_len + step*B] for tree step `step` (1-based).
+
+    prefix_visible: [B] int64, how many prefix cache entries branch b sees (n + j_b).
+    Cache layout: the prefix, then `step` blocks of B entries (block t holds every branch's
+    t-th token), so branch b sees entry b of each block.
+    """
+    branches = prefix_visible.shape[0]
+    prefix = torch.arange(prefix_len).unsqueeze(0) < prefix_visible.unsqueeze(1)  # [B, L0]
+    tree = torch.eye(branches, dtype=torch.bool).repeat(1, step)  # [B, step*B]
+    visible = torch.cat([prefix, tree], dim=1)  # [B, L0 + step*B]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]  # [1, 1, B, L0 + step*B]
+
+
+@torch.inference_mode()
+def build(
+    model,
+    session: Session,
+    committed: list[int],
+    feed: list[int],
+    draft_tokens: list[int],
+    num_tokens: int,
+    fanout: list[int],
+    sampling: SamplingSettings,
+    max_support: int,
+    saguaro_c: float = 1.0,
+    saguaro_fanout: list[int] | None = None,
+    cancel: threading.Event | None = None,
+) -> SpeculationResult:
+    """Build the speculation cache for the round verifying `draft_tokens` after `committed`.
+
+    `feed` is what Session.sync left to feed (ends with the last committed token). Leaves the
+    session caching committed + d_1..d_K. fanout: F_0..F_K (len K+1).
+    """
+    assert len(fanout) == len(draft_tokens) + 1, (fanout, draft_tokens)
+    saguaro_fanout = saguaro_fanout or []
+    num_draft = len(draft_tokens)
+    started = time.perf_counter()
+    logits, _ = forward_logits(model, session.cache, feed + draft_tokens, num_draft + 1)  # [K+1, V]
+    session.extend(feed + draft_tokens)
+    roots = _guesses(logits, draft_tokens, fanout)
+    if not roots or num_tokens == 0 or not _croppable(session.cache):
+        # Sliding-window caches cannot drop the tree afterwards: no branches for them.
+        return SpeculationResult([], (time.perf_counter() - started) * 1000.0)
+
+    n = len(committed)  # absolute position of d_1; guess (j, g) sits at n + j
+    prefix_len = len(session.cached_tokens)  # n + K
+    assert prefix_len == n + num_draft
+    device = model.device
+    offsets = torch.tensor([j for j, _ in roots], dtype=torch.long)  # [B]
+    tokens = [g for _, g in roots]
+    branch_tokens: list[list[int]] = [[] for _ in roots]
+    branch_dists: list[list[SparseDist]] = [[] for _ in roots]
+    dtype = next(model.parameters()).dtype
+    try:
+        for step in range(1, num_tokens + 1):
+            if cancel is not None and cancel.is_set():
+                raise SpeculationCancelled()
+            input_ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, B]
+            position_ids = (n + offsets + step - 1).unsqueeze(0).to(device)  # [1, B]
+            mask = _tree_mask(n + offsets, prefix_len, step, dtype).to(device)  # [1, 1, B, L0 + step*B]
+            output = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=session.cache,
+                use_cache=True,
+            )
+            step_logits = output.logits[0].float().cpu()  # [B, V]
+            saguaro_f = saguaro_fanout[step - 1] if step - 1 < len(saguaro_fanout) else 0
+            tokens = []
+            for b, (j, _) in enumerate(roots):
+                dist = draft_distribution(step_logits[b], sampling, max_support, saguaro_c, saguaro_f)
+                token = sample_draft_token(dist, sampling, n + j + step)
+                branch_tokens[b].append(token)
+                branch_dists[b].append(dist)
+                tokens.append(token)
+    finally:
+        extra = session.cache.get_seq_length() - prefix_len
+        if extra > 0:
+            session.cache.crop(-extra)  # transformers 5.x: a negative count to drop; keeps committed + d's
+    branches = [
+        Branch(accepted=j, next_token=g, draft_tokens=branch_tokens[b], draft_dists=branch_dists[b])
+        for b, (j, g) in enumerate(roots)
+    ]
+    return SpeculationResult(branches, (time.perf_counter() - started) * 1000.0)

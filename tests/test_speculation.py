@@ -1,0 +1,109 @@
+"""The draft worker's tree build (draft_service/speculation.py) against plain autoregressive drafting.
+
+A branch is a real hit only if its tokens are what a Propose after committed + d_1..d_k + t*
+would draft: the tree's shared-prefix forward with a 4-D mask must equal the plain one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from draft_service.runner import DraftModelRunner
+from draft_service.speculation import SpeculationCancelled
+from specd.models import load_causal_lm
+from specd.sampling import SamplingSettings
+from specd.session_cache import SessionStore
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_pair):
+    loaded = load_causal_lm(tiny_pair[1], dtype="float32", device="cpu")
+    return DraftModelRunner(loaded, SessionStore(max_sessions=64, idle_timeout_s=300.0), max_support=64)
+
+
+def _fresh(runner, sid: str, committed: list[int]) -> None:
+    runner.end_session(sid)
+    runner.prefill(sid, 0, committed)
+
+
+@pytest.mark.parametrize("num_draft, num_tokens", [(0, 3), (1, 1), (4, 4), (8, 3)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_branches_equal_autoregressive_proposals(runner, num_draft, num_tokens, temperature):
+    sampling = SamplingSettings(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=1234)
+    _fresh(runner, "tree", PROMPT)
+    drafts = runner.propose("tree", 0, PROMPT, num_draft, sampling, 0).draft_tokens if num_draft else []
+    fanout = [2] * num_draft + [3]
+    result = runner.speculate("tree", 0, PROMPT, drafts, num_tokens, fanout, sampling, 0, 1.0, [], threading.Event())
+    assert len(result.branches) == sum(fanout)
+    # The tree is gone: the session caches exactly committed + d_1..d_K.
+    session = runner.sessions.open("tree", 0)
+    assert session.cached_tokens == PROMPT + drafts
+    assert session.cache.get_seq_length() == len(PROMPT) + num_draft
+    for branch in result.branches:
+        k = branch.accepted
+        if k < num_draft:
+            assert branch.next_token != drafts[k], "a drafted token is never the recovered token"
+        history = PROMPT + drafts[:k] + [branch.next_token]
+        _fresh(runner, "plain", history)
+        plain = runner.propose("plain", 0, history, num_tokens, sampling, 0)
+        assert branch.draft_tokens == plain.draft_tokens, (k, branch.next_token)
+        for tree_q, plain_q in zip(branch.draft_dists, plain.draft_dists):
+            assert tree_q.token_ids[:8] == plain_q.token_ids[:8]
+            assert torch.allclose(torch.tensor(tree_q.probs), torch.tensor(plain_q.probs), atol=1e-5)
+    # The guesses at each position are the draft's top tokens there (greedy: the argmax first).
+    if temperature == 0.0:
+        by_k = {}
+        for branch in result.branches:
+            by_k.setdefault(branch.accepted, []).append(branch.next_token)
+        assert sorted(by_k) == list(range(num_draft + 1))
+        assert all(len(v) == fanout[k] for k, v in by_k.items())
+
+
+def test_session_continues_after_a_build(runner):
+    """After a build, syncing to the winning branch's history and drafting again is plain drafting."""
+    sampling = SamplingSettings(temperature=0.0)
+    _fresh(runner, "cont", PROMPT)
+    drafts = runner.propose("cont", 0, PROMPT, 4, sampling, 0).draft_tokens
+    result = runner.speculate("cont", 0, PROMPT, drafts, 4, [1, 1, 1, 1, 2], sampling, 0, 1.0, [], threading.Event())
+    branch = next(b for b in result.branches if b.accepted == 2)
+    history = PROMPT + drafts[:2] + [branch.next_token]
+    again = runner.propose("cont", len(PROMPT), history[len(PROMPT):], 4, sampling, 0)
+    assert again.draft_tokens == branch.draft_tokens
+
+
+def test_zero_budget_builds_nothing_and_keeps_the_session_in_step(runner):
+    sampling = SamplingSettings(temperature=0.0)
+    _fresh(runner, "zero", PROMPT)
+    drafts = runner.propose("zero", 0, PROMPT, 3, sampling, 0).draft_tokens
+    result = runner.speculate("zero", 0, PROMPT, drafts, 3, [0, 0, 0, 0], sampling, 0, 1.0, [], threading.Event())
+    assert result.branches == []
+    assert runner.sessions.open("zero", 0).cached_tokens == PROMPT + drafts
+
+
+def test_cancel_stops_the_build_and_restores_the_cache(runner):
+    sampling = SamplingSettings(temperature=0.0)
+    _fresh(runner, "cancel", PROMPT)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(SpeculationCancelled):
+        runner.speculate("cancel", 0, PROMPT, [1, 2], 4, [2, 2, 2], sampling, 0, 1.0, [], cancel)
+    session = runner.sessions.open("cancel", 0)
+    assert session.cache.get_seq_length() == len(session.cached_tokens) == len(PROMPT) + 2
+
+
+def test_saguaro_reshapes_the_branch_distributions(runner):
+    sampling = SamplingSettings(temperature=1.0, seed=7)
+    _fresh(runner, "sag", PROMPT)
+    plain = runner.speculate("sag", 0, PROMPT, [], 2, [2], sampling, 0, 1.0, [], threading.Event())
+    shaped = runner.speculate("sag", 0, PROMPT, [], 2, [2], sampling, 0, 0.25, [3, 3], threading.Event())
+    for a, b in zip(plain.branches, shaped.branches):
+        q, q_prime = a.draft_dists[0], b.draft_dists[0]
+        assert q.token_ids == q_prime.token_ids
+        top = q.probs[:3]
+        ratio = q_prime.probs[5] / q.probs[5]  # off the top 3: scaled up by the renormalisation
+        assert q_prime.probs[:3] == pytest.approx([p * 0.25 * ratio for p in top], rel=1e-4)
