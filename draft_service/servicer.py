@@ -8,6 +8,7 @@ import threading
 from draft_service.runner import DraftModelRunner
 from draft_service.speculation import SpeculationCancelled
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
+from specd.telemetry import get_tracer, set_specd, worker_span
 from specd.v1 import draft_pb2, draft_pb2_grpc
 from specd.wire import check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
 
@@ -19,6 +20,18 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     def __init__(self, thread: ModelThread):
         self._thread = thread
         self.runner: DraftModelRunner | None = None  # set once the model is loaded
+        self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_draft
+        self.metrics = None
+
+    async def _traced(self, name: str, call, result_attributes, **attributes):
+        """Await a model call inside a worker span (spec_propose, spec_speculate); the span
+        gets `attributes` before and result_attributes(result) after, all as specd.*."""
+        with worker_span(self.tracer, name, **attributes) as span:
+            result = await call
+            set_specd(span, **result_attributes(result))
+        if self.metrics is not None:
+            self.metrics.observe_forward(name.removeprefix("spec_"), result.forward_ms)
+        return result
 
     def _ready_runner(self) -> DraftModelRunner:
         if self.runner is None:
@@ -48,7 +61,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 request.committed, loaded.vocab_size, loaded.context_length, request.num_tokens
             )
             sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
-            proposal = await self._thread.run(
+            proposal = await self._traced("spec_propose", self._thread.run(
                 runner.propose,
                 request.session_id,
                 request.committed.start,
@@ -57,7 +70,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 sampling,
                 request.max_support,
                 *_saguaro(request.saguaro),
-            )
+            ), lambda p: {"forward_ms": p.forward_ms}, num_tokens=request.num_tokens)
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
         return draft_pb2.ProposeResponse(
