@@ -53,7 +53,10 @@ async def _synced_call(session: WorkerSession, committed: list[int], call: Calla
         log.info("session %s lost on a worker (%s); resending its history", session.session_id, exc.code().name)
         session.sent = 0
         response = await call(session.committed_tail(committed))
-    session.sent = len(committed)
+    # A worker may cache fewer tokens than it was sent (a prefill keeps the last one back);
+    # the next call must continue from what it caches, or the worker answers FAILED_PRECONDITION.
+    cached = getattr(response, "cached_tokens", None)
+    session.sent = len(committed) if cached is None else min(len(committed), cached)
     return response
 
 
