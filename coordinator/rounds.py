@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import AsyncIterator
 
+from coordinator.round_trace import RoundTrace
 from coordinator.workers import DraftFailed, DraftLink, TargetLink, WorkerSession
 from specd.sampling import SamplingSettings, SparseDist
 from specd.v1 import target_pb2
@@ -29,6 +30,7 @@ class Generation:
     max_support: int
     return_logprobs: bool
     max_len: int  # committed may grow to this many tokens
+    trace: RoundTrace = dataclasses.field(default_factory=RoundTrace)  # the request's round spans
     target_session: WorkerSession = dataclasses.field(init=False)
     draft_session: WorkerSession = dataclasses.field(init=False)
 
@@ -71,41 +73,48 @@ async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None
     """Synchronous speculative decoding; target-only rounds when the draft is off or away."""
     index = 0
     while (remaining := gen.max_len - len(gen.committed)) > 0:
-        num_draft = min(gen.num_speculative_tokens, remaining - 1)
-        draft_tokens: list[int] = []
-        draft_dists: list[SparseDist] = []
-        draft_wait_ms = 0.0
-        fallback = ""
-        mode = "off"
-        if gen.mode != "off" and num_draft > 0:
-            if draft is not None and await draft.usable():
-                started = time.perf_counter()
-                try:
-                    proposal = await draft.propose(
-                        gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support
-                    )
-                    draft_tokens = list(proposal.draft_tokens)
-                    draft_dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in proposal.draft_probs]
-                    mode = "sd"
-                except DraftFailed as exc:
-                    fallback = str(exc)
-                draft_wait_ms = (time.perf_counter() - started) * 1000.0
-            else:
-                fallback = draft.last_error if draft is not None else "no draft worker is configured"
-        verify = await target.verify(
-            gen.target_session, gen.committed, draft_tokens, draft_dists, gen.sampling, gen.return_logprobs
-        )
-        accepted = verify.accepted
-        yield RoundResult(
-            index=index,
-            mode=mode,
-            tokens=draft_tokens[:accepted] + [verify.next_token],
-            logprobs=list(verify.logprobs),
-            num_draft=len(draft_tokens),
-            accepted=accepted,
-            bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
-            draft_wait_ms=draft_wait_ms,
-            verify_ms=verify.forward_ms,
-            fallback_reason=fallback,
-        )
+        with gen.trace.round(index) as span:  # the round's worker calls are its children
+            result = await _sd_round(gen, target, draft, index, remaining)
+            span.record(result)
+        yield result
         index += 1
+
+
+async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None, index: int, remaining: int) -> RoundResult:
+    num_draft = min(gen.num_speculative_tokens, remaining - 1)
+    draft_tokens: list[int] = []
+    draft_dists: list[SparseDist] = []
+    draft_wait_ms = 0.0
+    fallback = ""
+    mode = "off"
+    if gen.mode != "off" and num_draft > 0:
+        if draft is not None and await draft.usable():
+            started = time.perf_counter()
+            try:
+                proposal = await draft.propose(
+                    gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support
+                )
+                draft_tokens = list(proposal.draft_tokens)
+                draft_dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in proposal.draft_probs]
+                mode = "sd"
+            except DraftFailed as exc:
+                fallback = str(exc)
+            draft_wait_ms = (time.perf_counter() - started) * 1000.0
+        else:
+            fallback = draft.last_error if draft is not None else "no draft worker is configured"
+    verify = await target.verify(
+        gen.target_session, gen.committed, draft_tokens, draft_dists, gen.sampling, gen.return_logprobs
+    )
+    accepted = verify.accepted
+    return RoundResult(
+        index=index,
+        mode=mode,
+        tokens=draft_tokens[:accepted] + [verify.next_token],
+        logprobs=list(verify.logprobs),
+        num_draft=len(draft_tokens),
+        accepted=accepted,
+        bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
+        draft_wait_ms=draft_wait_ms,
+        verify_ms=verify.forward_ms,
+        fallback_reason=fallback,
+    )

@@ -1,0 +1,147 @@
+"""Spans of one request on the coordinator: `llm_request` (SERVER, the trace's root) and its rounds.
+
+    llm_request                      SERVER; child of the caller's traceparent, if any
+    ├── spec_round  (index 0)        one per round, up to max_round_spans
+    │   ├── Propose  CLIENT → DraftWorker/Propose SERVER → spec_propose
+    │   └── Verify   CLIENT → TargetWorker/Verify SERVER → spec_verify
+    ├── ...
+    ├── spec_rounds (rounds 64-127)  past max_round_spans: one summary span per group of
+    │   └── ...                      max_round_spans rounds, parent of their worker calls
+    └── spec_stream                  work that outlives a round (a Speculate stream):
+                                     parented by the request, linked from the rounds it serves
+
+Use from a round loop (sd_rounds, ssd_rounds):
+
+    with gen.trace.round(index) as span:     # the round's worker calls become its children
+        ...
+        span.record(result)                  # a RoundResult (ssd: hit, branches, backup too)
+        span.add_link(stream_context)        # a SpanContext from gen.trace.stream(...)
+
+    with gen.trace.stream("spec_stream", fanout=...) as stream_context:
+        call = draft.speculate(...)          # started here: its spans hang under spec_stream
+
+Nothing here costs more than a few attribute checks when spans are not recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext
+
+DEFAULT_MAX_ROUND_SPANS = 64
+
+_TOTALS = ("num_draft", "accepted", "draft_wait_ms", "verify_ms", "cache_hits", "cache_misses", "bonus")
+
+
+class RoundSpan:
+    """What a round may add to its span: its outcome and links to longer-lived work."""
+
+    def __init__(self, span: trace.Span, index: int, summary: dict | None):
+        self.span = span
+        self.index = index
+        self._summary = summary  # the aggregate this round folds into, past max_round_spans
+
+    def record(self, result=None, cache: str | None = None, fanout: int | None = None, **attributes) -> None:
+        """The round's outcome: a RoundResult's fields, cache "hit"/"miss" (ssd), fan-out."""
+        values = dict(attributes)
+        if result is not None:
+            values.update(
+                mode=result.mode,
+                num_draft=result.num_draft,
+                accepted=result.accepted,
+                next_token_kind="bonus" if result.bonus else "recovered",
+                draft_wait_ms=result.draft_wait_ms,
+                verify_ms=result.verify_ms,
+            )
+            if result.fallback_reason:
+                values["fallback_reason"] = result.fallback_reason
+            hit = getattr(result, "hit", None)  # ssd rounds: looked up in the speculation cache
+            if hit is not None:
+                values["cache"] = "hit" if hit else "miss"
+            for key in ("branches", "backup", "speculate_ms"):
+                if getattr(result, key, None):
+                    values[key] = getattr(result, key)
+        if cache is not None:
+            values["cache"] = cache
+        if fanout is not None:
+            values["fanout"] = fanout
+        if self._summary is not None:
+            _fold(self._summary, values)
+        elif self.span.is_recording():
+            self.span.set_attributes({f"specd.round.{k}": v for k, v in values.items()})
+
+    def add_link(self, context: SpanContext | None, **attributes) -> None:
+        if context is not None and context.is_valid and self.span.is_recording():
+            self.span.add_link(context, {f"specd.{k}": v for k, v in attributes.items()})
+
+
+def _fold(summary: dict, values: dict) -> None:
+    summary["rounds"] += 1
+    for key in ("num_draft", "accepted", "draft_wait_ms", "verify_ms"):
+        summary[key] += values.get(key, 0)
+    summary["bonus"] += values.get("next_token_kind") == "bonus"
+    summary["cache_hits"] += values.get("cache") == "hit"
+    summary["cache_misses"] += values.get("cache") == "miss"
+
+
+class RoundTrace:
+    """One request's round spans; create it while `llm_request` is the current span."""
+
+    def __init__(self, tracer: trace.Tracer | None = None, max_round_spans: int = DEFAULT_MAX_ROUND_SPANS):
+        self._tracer = tracer or trace.NoOpTracer()
+        self._parent = trace.set_span_in_context(trace.get_current_span())
+        self._max = max(0, max_round_spans)
+        self._rounds = 0
+        self._summary_span: trace.Span | None = None
+        self._summary: dict = {}
+
+    @contextlib.contextmanager
+    def round(self, index: int) -> Iterator[RoundSpan]:
+        """The span of round `index`, current while the round's worker calls are made."""
+        self._rounds += 1
+        if self._rounds <= self._max or not self._tracer_records():
+            with self._tracer.start_as_current_span("spec_round", context=self._parent) as span:
+                if span.is_recording():
+                    span.set_attribute("specd.round.index", index)
+                yield RoundSpan(span, index, None)
+            return
+        summary_span = self._summary_for(index)
+        with trace.use_span(summary_span, end_on_exit=False):
+            yield RoundSpan(summary_span, index, self._summary)
+        self._summary["last_index"] = index
+        if self._summary["rounds"] >= max(self._max, 1):
+            self._end_summary()
+
+    def _tracer_records(self) -> bool:
+        return trace.get_current_span(self._parent).is_recording()
+
+    def _summary_for(self, index: int) -> trace.Span:
+        if self._summary_span is None:
+            self._summary_span = self._tracer.start_span("spec_rounds", context=self._parent)
+            self._summary = dict.fromkeys(_TOTALS, 0) | {"rounds": 0, "first_index": index, "last_index": index}
+        return self._summary_span
+
+    def _end_summary(self) -> None:
+        if self._summary_span is None:
+            return
+        s = self._summary
+        self._summary_span.set_attributes({f"specd.rounds.{k}": v for k, v in s.items()})
+        self._summary_span.end()
+        self._summary_span = None
+
+    @contextlib.contextmanager
+    def stream(self, name: str = "spec_stream", **attributes) -> Iterator[SpanContext]:
+        """A span for work that outlives one round, parented by the request rather than by a
+        round: calls started inside belong to it; rounds it serves link to the context given.
+        The span ends when the block exits, so open the block around the stream's whole life."""
+        with self._tracer.start_as_current_span(name, context=self._parent) as span:
+            if span.is_recording():
+                span.set_attributes({f"specd.{k}": v for k, v in attributes.items()})
+            yield span.get_span_context()
+
+    def close(self) -> None:
+        """End a summary span still open (the request finished mid-group); safe to repeat."""
+        self._end_summary()
