@@ -1,0 +1,115 @@
+"""The specd command line: generate --json, error statuses, up, serve --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import running_stack
+
+GENERATE_KEYS = {"text", "token_ids", "finish_reason", "usage", "stats", "trace_id"}
+STATS_KEYS = {"mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length"}
+
+
+def specd(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specd", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_pair):
+    with running_stack(*tiny_pair) as running:
+        yield running
+
+
+def test_generate_json_prints_exactly_one_object(stack):
+    result = specd(
+        "generate", "--address", stack.address, "--json", "--max-new-tokens", "12",
+        "--temperature", "0", "--mode", "sd", "--ignore-eos", "--", "def add(a, b):",
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)  # fails on anything but one JSON document
+    assert GENERATE_KEYS <= body.keys()
+    assert STATS_KEYS <= body["stats"].keys()
+    assert len(body["token_ids"]) == 12
+    assert body["finish_reason"] == "length"
+    assert body["stats"]["mode"] == "sd"
+    assert body["usage"]["completion_tokens"] == 12
+    rounds = body["stats"]["rounds"]
+    assert body["stats"]["mean_acceptance_length"] == pytest.approx(1 + body["stats"]["accepted_tokens"] / rounds)
+
+
+def test_generate_error_status_goes_to_stderr_with_exit_1(stack):
+    result = specd("generate", "--address", stack.address, "--json", "--temperature", "-1", "x")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert re.match(r"^INVALID_ARGUMENT: .*temperature", result.stderr)
+
+
+def test_generate_streams_text_without_json(stack):
+    result = specd("generate", "--address", stack.address, "--max-new-tokens", "8", "--temperature", "0", "x = 1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n")
+    assert "8 tokens" in result.stderr
+
+
+@pytest.mark.parametrize("role", ["target", "draft", "coordinator"])
+def test_serve_help_runs(role):
+    result = specd("serve", role, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "SPECD_PORT" in result.stdout
+
+
+def test_up_prints_one_address_line_and_stops_everything(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    up = subprocess.Popen(
+        [sys.executable, "-m", "specd", "up", "--target", target, "--draft", draft, "--port", "0",
+         "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = up.stdout.readline()
+        match = re.fullmatch(r"coordinator listening on (\S+):(\d+)\n", line)
+        assert match, f"unexpected first line {line!r}; stderr: {up.stderr.read() if up.poll() is not None else ''}"
+        address = f"{match.group(1)}:{match.group(2)}"
+        result = specd("generate", "--address", address, "--json", "--max-new-tokens", "4", "--temperature", "0", "hi")
+        assert result.returncode == 0, result.stderr
+        assert len(json.loads(result.stdout)["token_ids"]) >= 1
+        children = _children(up.pid)
+        assert len(children) == 3
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+    assert up.returncode == 0
+    rest = up.stdout.read()
+    assert "listening on" not in rest
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in children)
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    with open(path) as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
