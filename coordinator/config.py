@@ -23,6 +23,9 @@ class CoordinatorConfig:
     max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
     default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
+    trace_max_round_spans: int = setting(
+        64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
+    )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
     draft_retry_s: float = setting(2.0, "after a draft failure, decode target-only this long before retrying")
     startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
@@ -36,5 +39,7 @@ class CoordinatorConfig:
             raise ConfigError("--max-support must be >= 1")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ConfigError("--default-max-new-tokens must lie in [1, --max-new-tokens-limit]")
+        if self.trace_max_round_spans < 1:
+            raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")

@@ -5,16 +5,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from typing import AsyncIterator
+
+from opentelemetry import trace
 
 from coordinator.config import CoordinatorConfig
 from coordinator.request import ResolvedRequest, TargetFacts, resolve
 from coordinator.rounds import Generation, prefill, sd_rounds
+from coordinator.ssd_rounds import ssd_rounds
+from coordinator.round_trace import RoundTrace, llm_request, record_request, record_response
 from coordinator.stats import RequestStats
 from coordinator.text import TextAssembler
 from coordinator.workers import DraftLink, TargetLink
 from specd.serving import ModelLoading, abort_on_error
+from specd.telemetry import get_tracer, trace_id_hex
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,21 +52,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.target = target
         self.draft = draft
         self.facts: TargetFacts | None = None  # set once the target worker has answered
+        self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_coordinator
+        self.metrics = None
 
     def _ready_facts(self) -> TargetFacts:
         if self.facts is None:
-            raise ModelLoading()
+            raise ModelLoading(f"the coordinator is waiting for the target worker at {self.target.address}")
         return self.facts
 
     def _run_mode(self, asked: str) -> str:
         mode = self.config.default_mode if asked == "auto" else asked
         if mode == "auto":
             mode = "ssd" if self.draft is not None else "off"
-        if mode == "ssd":
-            mode = "sd"  # the ssd round loop is not in yet; sd keeps the output exact
         return mode
 
     async def generate(self, request: ResolvedRequest) -> AsyncIterator[Chunk | Finish]:
+        started = time.perf_counter()
+        first_token_s = None
+        span = trace.get_current_span()  # llm_request
+        record_request(span, request)
         facts = self._ready_facts()
         mode = self._run_mode(request.mode)
         prompt_len = len(request.prompt_ids)
@@ -73,15 +83,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             max_support=self.config.max_support,
             return_logprobs=request.return_logprobs,
             max_len=min(facts.context_length, prompt_len + request.max_new_tokens),
+            trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
         )
         stats = RequestStats(requested_mode=mode, seed=request.sampling.seed)
         text = TextAssembler(facts.tokenizer, request.prompt_ids, request.stop_strings)
         logprobs: list[float] = []
         streamed = 0
         finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_LENGTH, ""
+        if self.metrics is not None:
+            self.metrics.requests_in_flight.inc()
         try:
             stats.fallback_reason = await prefill(gen, self.target, self.draft)
-            rounds = sd_rounds(gen, self.target, self.draft)
+            if mode == "ssd":
+                rounds = ssd_rounds(gen, self.target, self.draft, self.config)
+            else:
+                rounds = sd_rounds(gen, self.target, self.draft)
             async for result in rounds:
                 stats.add(result)
                 committed: list[int] = []
@@ -98,6 +114,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         break
                 done = bool(stop_reason) or len(gen.committed) >= gen.max_len
                 end = len(text.text) if done else text.streamable_length()
+                if first_token_s is None and committed:
+                    first_token_s = time.perf_counter() - started
                 chunk_logprobs = result.logprobs[: len(committed)] if request.return_logprobs else []
                 yield Chunk(committed, chunk_logprobs, text.text[streamed:end])
                 streamed = max(streamed, end)
@@ -106,7 +124,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     break
         finally:
             self._end_sessions(gen.session_id)
+            gen.trace.close()
+            if self.metrics is not None:
+                self.metrics.requests_in_flight.dec()
+                self.metrics.observe_speculation(stats)  # what ran, also for a cancelled request
         completion = len(gen.committed) - prompt_len
+        latency_s = time.perf_counter() - started
+        stats_proto = stats.to_proto()
+        if self.metrics is not None:
+            self.metrics.observe_latency(first_token_s, latency_s, completion)
+        ttft_ms = first_token_s * 1000.0 if first_token_s is not None else None
+        record_response(span, finish_reason, completion, stats_proto, ttft_ms, latency_s * 1000.0)
         yield Finish(
             finish_reason=finish_reason,
             stop_reason=stop_reason,
@@ -116,7 +144,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             usage=coordinator_pb2.Usage(
                 prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion
             ),
-            stats=stats.to_proto(),
+            stats=stats_proto,
         )
 
     def _end_sessions(self, session_id: str) -> None:
@@ -131,6 +159,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         asyncio.ensure_future(end())
 
     async def Generate(self, request, context):
+        with llm_request(self.tracer, context, "Generate") as span:
+            return await self._generate(request, context, trace_id_hex(span))
+
+    async def GenerateStream(self, request, context):
+        with llm_request(self.tracer, context, "GenerateStream") as span:
+            async for message in self._generate_stream(request, context, trace_id_hex(span)):
+                yield message
+
+    async def _generate(self, request, context, trace_id: str):
         try:
             resolved = resolve(request, self._ready_facts(), self.config)
             async for event in self.generate(resolved):
@@ -144,11 +181,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         stats=event.stats,
                         logprobs=event.logprobs,
                         request_id=resolved.request_id,
+                        trace_id=trace_id,
                     )
         except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
 
-    async def GenerateStream(self, request, context):
+    async def _generate_stream(self, request, context, trace_id: str):
         try:
             resolved = resolve(request, self._ready_facts(), self.config)
             async for event in self.generate(resolved):
@@ -159,6 +197,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                             token_ids=event.token_ids,
                             logprobs=event.logprobs,
                             request_id=resolved.request_id,
+                            trace_id=trace_id,
                         )
                 else:
                     yield coordinator_pb2.GenerateStreamResponse(
@@ -167,6 +206,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         usage=event.usage,
                         stats=event.stats,
                         request_id=resolved.request_id,
+                        trace_id=trace_id,
                     )
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
