@@ -29,9 +29,83 @@ import contextlib
 from typing import Iterator
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanContext
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+
+from specd.telemetry import context_from_metadata
 
 DEFAULT_MAX_ROUND_SPANS = 64
+FINISH_REASONS = {1: "stop", 2: "length"}
+
+
+@contextlib.contextmanager
+def llm_request(tracer: trace.Tracer, grpc_context, method: str) -> Iterator[trace.Span]:
+    """The request's SERVER span, current for the whole call: the trace's root on the
+    coordinator, or a child of the caller's span when the call carries a `traceparent`.
+    (The public service is not wrapped by the gRPC server interceptor: this span is its
+    server span, so the trace does not open with an empty RPC span.)"""
+    attributes = {"rpc.system": "grpc", "rpc.service": "specd.v1.Coordinator", "rpc.method": method}
+    with tracer.start_as_current_span(
+        "llm_request",
+        context=context_from_metadata(grpc_context.invocation_metadata()),
+        kind=SpanKind.SERVER,
+        attributes=attributes,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            code = grpc_context.code()
+            if span.is_recording():
+                if code is not None:
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                span.set_status(Status(StatusCode.ERROR, grpc_context.details() or f"{type(exc).__name__}: {exc}"))
+            raise
+
+
+def record_request(span: trace.Span, request) -> None:
+    """GenAI request attributes of a coordinator.request.ResolvedRequest."""
+    if not span.is_recording():
+        return
+    sampling = request.sampling
+    span.set_attributes(
+        {
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.max_tokens": request.max_new_tokens,
+            "gen_ai.request.temperature": sampling.temperature,
+            "gen_ai.request.top_p": sampling.top_p,
+            "gen_ai.request.top_k": sampling.top_k,
+            "gen_ai.request.seed": sampling.seed if sampling.seed < 2**63 else str(sampling.seed),
+            "gen_ai.response.id": request.request_id,
+            "gen_ai.usage.input_tokens": len(request.prompt_ids),
+            "specd.request.mode": request.mode,
+            "specd.request.num_speculative_tokens": request.num_speculative_tokens,
+        }
+    )
+
+
+def record_response(span: trace.Span, finish_reason: int, output_tokens: int, stats, ttft_ms: float | None, e2e_ms: float) -> None:
+    """GenAI response attributes and the request's speculation totals (a SpeculationStats)."""
+    if not span.is_recording():
+        return
+    attributes = {
+        "gen_ai.response.finish_reasons": [FINISH_REASONS.get(finish_reason, "")],
+        "gen_ai.usage.output_tokens": output_tokens,
+        "specd.e2e_ms": e2e_ms,
+        "specd.rounds": stats.rounds,
+        "specd.draft_tokens": stats.draft_tokens,
+        "specd.accepted_tokens": stats.accepted_tokens,
+        "specd.acceptance_rate": stats.acceptance_rate,
+        "specd.mean_acceptance_length": stats.mean_acceptance_length,
+        "specd.accepted_per_position": list(stats.accepted_per_position),
+        "specd.cache_hits": stats.cache_hits,
+        "specd.cache_misses": stats.cache_misses,
+        "specd.draft_wait_ms": stats.draft_wait_ms,
+    }
+    if ttft_ms is not None:
+        attributes["specd.ttft_ms"] = ttft_ms
+    if stats.fallback_reason:
+        attributes["specd.fallback_reason"] = stats.fallback_reason
+    span.set_attributes(attributes)
 
 _TOTALS = ("num_draft", "accepted", "draft_wait_ms", "verify_ms", "cache_hits", "cache_misses", "bonus")
 

@@ -14,7 +14,9 @@ from coordinator.servicer import CoordinatorServicer
 from coordinator.workers import DraftLink, TargetLink
 from specd.config import ConfigError
 from specd.models import load_tokenizer, tokenizer_fingerprint
+from specd.metrics import CoordinatorMetrics
 from specd.serving import NOT_SERVING, SERVING, RunningService, create_server
+from specd.telemetry import SERVICE_NAMES, client_interceptors as traced_client_interceptors, get_tracer, tracer_provider_from_env
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specd.wire import sampling_from_proto
 from specd.sampling import SamplingSettings
@@ -69,12 +71,25 @@ async def connect(config: CoordinatorConfig, servicer: CoordinatorServicer) -> N
     )
 
 
-async def start_coordinator(config: CoordinatorConfig, interceptors: list | None = None, client_interceptors: list | None = None) -> RunningService:
+async def start_coordinator(
+    config: CoordinatorConfig,
+    interceptors: list | None = None,
+    client_interceptors: list | None = None,
+    tracer_provider=None,
+) -> RunningService:
+    """tracer_provider: None builds one from the OTEL_* env vars. The public service gets no
+    tracing interceptor (its llm_request span is the server span, see round_trace.py);
+    client_interceptors=None joins worker calls to the request's trace."""
+    provider = tracer_provider or tracer_provider_from_env(SERVICE_NAMES["coordinator"])
+    if client_interceptors is None:
+        client_interceptors = traced_client_interceptors(provider)
     target = TargetLink(config.target_address, config.worker_timeout_s, client_interceptors)
     draft = None
     if config.draft_address:
         draft = DraftLink(config.draft_address, config.worker_timeout_s, config.draft_retry_s, client_interceptors)
     servicer = CoordinatorServicer(config, target, draft)
+    servicer.tracer = get_tracer(provider)
+    servicer.metrics = CoordinatorMetrics()
     server, port, health_state = create_server(
         config.host,
         config.port,
@@ -84,6 +99,8 @@ async def start_coordinator(config: CoordinatorConfig, interceptors: list | None
     )
     service = RunningService(server, port, health_state, thread=None)
     service.servicer = servicer
+    service.tracer_provider = provider
+    servicer.metrics.serve_for(service, config.host, config.metrics_port)
     await health_state.set(NOT_SERVING)
     await server.start()
 

@@ -109,6 +109,17 @@ def _traced_call(details) -> bool:
     return not any(method.lstrip("/").startswith(s) for s in _UNTRACED_SERVICES)
 
 
+def _traced_server_call(details) -> bool:
+    # A worker's Info answered outside any trace (the coordinator's start-up probes) makes
+    # no trace of its own; every other call is traced.
+    if not _traced_call(details):
+        return False
+    method = details.method.decode() if isinstance(details.method, bytes) else details.method
+    if method.endswith("/Info"):
+        return any(key == "traceparent" for key, _ in details.invocation_metadata or ())
+    return True
+
+
 def _traced_worker_call(details) -> bool:
     # Worker calls outside a request (start-up Info probes) would each start a trace of their own.
     return _traced_call(details) and trace.get_current_span().get_span_context().is_valid
@@ -120,7 +131,7 @@ def server_interceptors(provider: trace.TracerProvider | None) -> list:
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor(tracer_provider=provider, filter_=_traced_call)]
+    return [aio_server_interceptor(tracer_provider=provider, filter_=_traced_server_call)]
 
 
 def client_interceptors(provider: trace.TracerProvider | None) -> list:

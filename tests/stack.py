@@ -21,7 +21,15 @@ from target_service.server import start_target
 
 
 class ServiceStack:
-    def __init__(self, target_model: str, draft_model: str | None, coordinator_overrides: dict | None = None, draft_overrides: dict | None = None):
+    def __init__(
+        self,
+        target_model: str,
+        draft_model: str | None,
+        coordinator_overrides: dict | None = None,
+        draft_overrides: dict | None = None,
+        target_overrides: dict | None = None,
+        tracer_providers: dict | None = None,
+    ):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -29,6 +37,8 @@ class ServiceStack:
         self.draft_model = draft_model
         self.coordinator_overrides = coordinator_overrides or {}
         self.draft_overrides = draft_overrides or {}
+        self.target_overrides = target_overrides or {}
+        self.tracer_providers = tracer_providers or {}  # role -> TracerProvider (default: from env)
         self.target = self.draft = self.coordinator = None
 
     def run(self, coro, timeout: float = 120.0):
@@ -42,13 +52,18 @@ class ServiceStack:
         return self
 
     async def _start_target(self):
-        service = await start_target(TargetConfig(model=self.target_model, host="127.0.0.1", port=0, metrics_port=-1, device="cpu"))
+        config = TargetConfig(model=self.target_model, host="127.0.0.1", port=0, metrics_port=-1, device="cpu")
+        service = await start_target(
+            dataclasses.replace(config, **self.target_overrides), tracer_provider=self.tracer_providers.get("target")
+        )
         await service.ready
         return service
 
     async def _start_draft(self, port: int = 0):
         config = DraftConfig(model=self.draft_model, host="127.0.0.1", port=port, metrics_port=-1, device="cpu")
-        service = await start_draft(dataclasses.replace(config, **self.draft_overrides))
+        service = await start_draft(
+            dataclasses.replace(config, **self.draft_overrides), tracer_provider=self.tracer_providers.get("draft")
+        )
         await service.ready
         return service
 
@@ -62,7 +77,10 @@ class ServiceStack:
             draft_retry_s=0.2,
             worker_timeout_s=30.0,
         )
-        service = await start_coordinator(dataclasses.replace(config, **self.coordinator_overrides))
+        service = await start_coordinator(
+            dataclasses.replace(config, **self.coordinator_overrides),
+            tracer_provider=self.tracer_providers.get("coordinator"),
+        )
         await service.ready
         return service
 

@@ -1,0 +1,205 @@
+"""Tracing over real gRPC servers on port 0, each service with its own in-memory exporter:
+one trace per request across the three services, one spec_round per round, worker server
+spans under the right round, the caller's traceparent honoured; and the env-var set-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from specd import telemetry
+from specd.v1 import coordinator_pb2 as pb
+from tests.conftest import CALL_TIMEOUT_S, running_stack
+
+ROLES = ("coordinator", "target", "draft")
+OTEL_VARS = (
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in OTEL_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_pair):
+    """The three services, each exporting to its own in-memory exporter."""
+    exporters = {role: InMemorySpanExporter() for role in ROLES}
+    providers = {}
+    for role in ROLES:
+        providers[role] = TracerProvider(resource=telemetry.resource_from_env(telemetry.SERVICE_NAMES[role]))
+        providers[role].add_span_processor(SimpleSpanProcessor(exporters[role]))
+    with running_stack(*tiny_pair, tracer_providers=providers) as stack:
+        yield stack, exporters
+
+
+def _request(max_new_tokens: int = 12, k: int = 3) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt="def add(a, b):",
+        max_new_tokens=max_new_tokens,
+        ignore_eos=True,
+        speculation=pb.SpeculationParams(mode=pb.SPECULATION_MODE_SD, num_speculative_tokens=k),
+    )
+
+
+def _spans(exporters, trace_id: str) -> dict[str, list]:
+    """The finished spans of one trace, by service (EndSession calls may still be in flight)."""
+    return {
+        role: [s for s in exporters[role].get_finished_spans() if trace.format_trace_id(s.context.trace_id) == trace_id]
+        for role in ROLES
+    }
+
+
+def _ancestors(span, by_id) -> list:
+    chain = []
+    while span.parent is not None and span.parent.span_id in by_id:
+        span = by_id[span.parent.span_id]
+        chain.append(span)
+    return chain
+
+
+def test_one_trace_across_three_services(traced):
+    stack, exporters = traced
+    for exporter in exporters.values():
+        exporter.clear()
+    response = stack.stub().Generate(_request(), timeout=CALL_TIMEOUT_S)
+    assert re.fullmatch(r"[0-9a-f]{32}", response.trace_id)
+    assert {trace.format_trace_id(s.context.trace_id) for e in exporters.values() for s in e.get_finished_spans()} == {
+        response.trace_id
+    }
+    spans = _spans(exporters, response.trace_id)
+    for role in ROLES:
+        assert {s.resource.attributes["service.name"] for s in spans[role]} == {telemetry.SERVICE_NAMES[role]}
+    by_id = {s.context.span_id: s for role in ROLES for s in spans[role]}
+
+    (root,) = [s for s in spans["coordinator"] if s.name == "llm_request"]
+    assert root.kind == trace.SpanKind.SERVER and root.parent is None
+    a = root.attributes
+    assert a["gen_ai.request.max_tokens"] == 12 and a["gen_ai.usage.output_tokens"] == 12
+    assert a["gen_ai.usage.input_tokens"] == response.usage.prompt_tokens
+    assert a["gen_ai.response.finish_reasons"] == ("length",)
+    assert a["gen_ai.response.id"] == response.request_id
+    assert a["gen_ai.request.temperature"] == 0.0 and "gen_ai.request.top_p" in a and "gen_ai.request.top_k" in a
+    assert a["specd.accepted_tokens"] == response.stats.accepted_tokens and a["specd.rounds"] == response.stats.rounds
+    assert 0 < a["specd.ttft_ms"] <= a["specd.e2e_ms"]
+
+    rounds = sorted((s for s in spans["coordinator"] if s.name == "spec_round"), key=lambda s: s.attributes["specd.round.index"])
+    assert [s.attributes["specd.round.index"] for s in rounds] == list(range(response.stats.rounds))
+    assert all(s.parent.span_id == root.context.span_id for s in rounds)
+    assert sum(s.attributes["specd.round.accepted"] for s in rounds) == response.stats.accepted_tokens
+    assert sum(s.attributes["specd.round.num_draft"] for s in rounds) == response.stats.draft_tokens
+    for s in rounds:  # the last round has room for no draft: a plain decode step
+        assert s.attributes["specd.round.mode"] == ("sd" if s.attributes["specd.round.num_draft"] else "off")
+        assert s.attributes["specd.round.next_token_kind"] in ("bonus", "recovered")
+        assert s.attributes["specd.round.verify_ms"] > 0
+        assert (s.attributes["specd.round.draft_wait_ms"] > 0) == (s.attributes["specd.round.num_draft"] > 0)
+
+    # Each round's Verify (target) and Propose (draft) server spans hang under that round.
+    round_ids = {s.context.span_id for s in rounds}
+    drafted_ids = {s.context.span_id for s in rounds if s.attributes["specd.round.num_draft"]}
+    for role, method, inner, owners_expected in (
+        ("target", "Verify", "spec_verify", round_ids),
+        ("draft", "Propose", "spec_propose", drafted_ids),
+    ):
+        servers = [s for s in spans[role] if s.name.endswith(f"/{method}")]
+        owners = []
+        for server in servers:
+            assert server.kind == trace.SpanKind.SERVER
+            owners.append(next(a.context.span_id for a in _ancestors(server, by_id) if a.context.span_id in round_ids))
+        assert sorted(owners) == sorted(owners_expected), role  # exactly one per round that made the call
+        inner_spans = [s for s in spans[role] if s.name == inner]
+        assert {s.parent.span_id for s in inner_spans} == {s.context.span_id for s in servers}
+    verifies = [s for s in spans["target"] if s.name == "spec_verify"]
+    assert all(s.attributes["specd.forward_ms"] > 0 and s.attributes["specd.tokens_verified"] >= 1 for s in verifies)
+    # Health checks never make spans.
+    assert not any("Health" in s.name for e in exporters.values() for s in e.get_finished_spans())
+
+
+def test_caller_traceparent_and_stream_trace_ids(traced):
+    stack, exporters = traced
+    caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    metadata = [("traceparent", f"00-{caller_trace}-{caller_span}-01")]
+    response = stack.stub().Generate(_request(6), timeout=CALL_TIMEOUT_S, metadata=metadata)
+    assert response.trace_id == caller_trace
+    (root,) = [s for s in _spans(exporters, caller_trace)["coordinator"] if s.name == "llm_request"]
+    assert root.parent.is_remote and f"{root.parent.span_id:016x}" == caller_span
+
+    messages = list(stack.stub().GenerateStream(_request(6), timeout=CALL_TIMEOUT_S))
+    ids = {m.trace_id for m in messages}
+    assert len(messages) >= 2 and len(ids) == 1 and re.fullmatch(r"[0-9a-f]{32}", ids.pop())
+
+
+def test_rounds_past_the_cap_fold_into_summary_spans(traced):
+    stack, exporters = traced
+    servicer = stack.coordinator.servicer
+    config = servicer.config
+    servicer.config = dataclasses.replace(config, trace_max_round_spans=3)
+    try:
+        response = stack.stub().Generate(_request(14, k=1), timeout=CALL_TIMEOUT_S)
+    finally:
+        servicer.config = config
+    spans = _spans(exporters, response.trace_id)
+    assert response.stats.rounds > 6
+    coordinator = spans["coordinator"]
+    assert len([s for s in coordinator if s.name == "spec_round"]) == 3
+    summaries = [s for s in coordinator if s.name == "spec_rounds"]
+    assert sum(s.attributes["specd.rounds.rounds"] for s in summaries) == response.stats.rounds - 3
+    assert all(s.attributes["specd.rounds.rounds"] <= 3 for s in summaries)
+    accepted = sum(s.attributes["specd.round.accepted"] for s in coordinator if s.name == "spec_round")
+    accepted += sum(s.attributes["specd.rounds.accepted"] for s in summaries)
+    assert accepted == response.stats.accepted_tokens
+    # No worker span loses its parent: every parent within the trace exists.
+    all_spans = [s for role in ROLES for s in spans[role]]
+    ids = {s.context.span_id for s in all_spans}
+    assert all(s.parent is None or s.parent.span_id in ids for s in all_spans)
+    verifies = [s for s in spans["target"] if s.name.endswith("/Verify")]
+    assert len(verifies) == response.stats.rounds
+
+
+def test_env_decides_exporter_sampler_and_service_name(clean_env):
+    provider = telemetry.tracer_provider_from_env("specd-target")
+    assert provider.resource.attributes["service.name"] == "specd-target"
+    with telemetry.get_tracer(provider).start_as_current_span("x") as span:
+        # No exporter: nothing is recorded, yet the request still gets a real trace id.
+        assert not span.is_recording() and re.fullmatch(r"[0-9a-f]{32}", telemetry.trace_id_hex(span))
+    assert telemetry.trace_id_hex(trace.INVALID_SPAN) == ""
+
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attrs,deployment.environment=test")
+    assert telemetry.resource_from_env("specd-draft").attributes["service.name"] == "from-attrs"
+    clean_env.setenv("OTEL_SERVICE_NAME", "mine")
+    assert telemetry.resource_from_env("specd-draft").attributes["service.name"] == "mine"
+
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    clean_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    clean_env.setenv("OTEL_TRACES_SAMPLER_ARG", "1.0")
+    provider = telemetry.tracer_provider_from_env("specd-coordinator")
+    processors = provider._active_span_processor._span_processors
+    assert [type(p) for p in processors] == [BatchSpanProcessor]
+    assert type(processors[0].span_exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
+    assert "TraceIdRatio" in provider.sampler.get_description()
+    provider.shutdown()
+
+    clean_env.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert telemetry.exporter_names() == []
+    clean_env.setenv("OTEL_SDK_DISABLED", "true")
+    disabled = telemetry.tracer_provider_from_env("specd-coordinator")
+    assert isinstance(disabled, trace.NoOpTracerProvider)
+    assert telemetry.server_interceptors(disabled) == [] and telemetry.client_interceptors(disabled) == []
+    with telemetry.get_tracer(disabled).start_as_current_span("x") as span:
+        assert telemetry.trace_id_hex(span) == ""
