@@ -7,6 +7,7 @@ import dataclasses
 from specd.config import ConfigError, setting
 
 MODES = ("auto", "ssd", "sd", "off")
+SSD_BACKUPS = ("jit", "ngram")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -23,6 +24,16 @@ class CoordinatorConfig:
     max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
     default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
+    ssd_budget: int = setting(16, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
+    ssd_fanout_r: float = setting(0.5, "ssd: exponent r of the power-law miss rate; fan-out F_k ~ P(k)^(1/(1+r))")
+    ssd_backup: str = setting(
+        "jit", "ssd: draft after a cache miss: jit (Propose on the draft worker) or ngram (prompt lookup)", choices=SSD_BACKUPS
+    )
+    ssd_wait_ms: float = setting(
+        -1.0, "ssd, ngram backup: wait this long past verification for an unfinished cache (-1: half a verification)"
+    )
+    ssd_saguaro_c: float = setting(1.0, "ssd: Saguaro sampling's weight C on the draft's top-F tokens, in [0, 1] (1 = off)")
+    ssd_adaptive: bool = setting(True, "ssd: adapt K and the budget from acceptance and measured draft/verify times")
     trace_max_round_spans: int = setting(
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
@@ -39,6 +50,12 @@ class CoordinatorConfig:
             raise ConfigError("--max-support must be >= 1")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ConfigError("--default-max-new-tokens must lie in [1, --max-new-tokens-limit]")
+        if self.ssd_budget < 0:
+            raise ConfigError("--ssd-budget must be >= 0")
+        if self.ssd_fanout_r < 0:
+            raise ConfigError("--ssd-fanout-r must be >= 0")
+        if not 0.0 <= self.ssd_saguaro_c <= 1.0:
+            raise ConfigError("--ssd-saguaro-c must lie in [0, 1] (1 = off)")
         if self.trace_max_round_spans < 1:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:

@@ -42,7 +42,7 @@ class Generation:
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
     index: int
-    mode: str  # what this round ran: sd or off
+    mode: str  # what this round ran: ssd, sd or off
     tokens: list[int]  # d_1..d_k, then t*
     logprobs: list[float]
     num_draft: int  # K of this round (0: a plain decode step)
@@ -51,6 +51,12 @@ class RoundResult:
     draft_wait_ms: float  # time the loop waited on the draft worker
     verify_ms: float  # the target's forward
     fallback_reason: str  # why this round did not speculate as asked, if it did not
+    # ssd only: whether this round's draft came from the speculation cache (None: no lookup),
+    # the backup that drafted it on a miss, and the branches built during its verification.
+    hit: bool | None = None
+    backup: str = ""
+    branches: int = 0
+    speculate_ms: float = 0.0  # the draft worker's forwards for those branches
 
 
 async def prefill(gen: Generation, target: TargetLink, draft: DraftLink | None) -> str:

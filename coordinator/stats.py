@@ -38,6 +38,11 @@ class RequestStats:
             self.accepted_per_position.extend([0] * (result.accepted - len(self.accepted_per_position)))
         for position in range(result.accepted):
             self.accepted_per_position[position] += 1
+        if result.hit is not None:
+            if result.hit:
+                self.cache_hits += 1
+            else:
+                self.cache_misses += 1
         if result.fallback_reason and not self.fallback_reason:
             self.fallback_reason = result.fallback_reason
 

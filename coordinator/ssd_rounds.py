@@ -1,0 +1,289 @@
+"""The SSD round loop (Saguaro): verify round T while the draft speculates round T+1.
+
+Each round reads as SPECULATE / VERIFY / LOOK UP:
+- Verify(T) and Speculate(T) go out together. Speculate asks the draft worker to guess the
+  outcome (k, t*) of Verify(T) - F_k guesses per k, geometric fan-out under a budget B - and
+  to draft K' tokens after each guess (draft_service/speculation.py).
+- When Verify(T) returns, its (k, t*) is looked up in the speculation cache. A hit is round
+  T+1's draft, ready with no draft call on the critical path; a miss takes the backup
+  (config.ssd_backup): a just-in-time Propose, or a prompt-lookup guess costing no model call.
+- Every Speculate and Propose carries the committed tail, so the draft's KV cache follows the
+  committed tokens whichever branch won. A draft failure turns the rounds target-only until
+  the draft is back, as in sd.
+
+Exactness: any q is exact as long as the verifier gets the q the draft sampled from, and each
+cache entry carries its own. Which q a round uses depends on timing, so ssd is
+distribution-exact rather than seed-reproducible (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from typing import AsyncIterator
+
+from coordinator.backup import one_hot, prompt_lookup
+from coordinator.config import CoordinatorConfig
+from coordinator.rounds import Generation, RoundResult
+from coordinator.workers import DraftFailed, DraftLink, TargetLink, _synced_call
+from specd import fanout as fanout_lib
+from specd.sampling import SparseDist
+from specd.v1 import draft_pb2, target_pb2
+from specd.wire import sampling_to_proto, sparse_to_proto
+
+# Acceptance prior (per token) before a request has verified anything, and its weight in rounds.
+_PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.7, 2.0
+_DECAY = 0.9  # per round: recent rounds dominate the acceptance estimate
+_REACH = 0.1  # adaptive K drafts the positions a draft token reaches with probability >= this
+# The speculation should finish within this share of a verification, or it delays the round.
+_SPEC_SHARE_HIGH, _SPEC_SHARE_LOW = 0.9, 0.6
+
+
+@dataclasses.dataclass
+class Drafts:
+    tokens: list[int]
+    dists: list[SparseDist]
+    source: str  # cache, propose (first round), jit or ngram
+
+
+@dataclasses.dataclass
+class Tuning:
+    """Per-request adaptive state: acceptance estimate, K and budget from measured times."""
+
+    max_k: int
+    budget: int
+    max_budget: int
+    adaptive: bool
+    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
+    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+    k_cap: int = 0  # lowered while a full tree does not fit in a verification
+
+    def __post_init__(self) -> None:
+        self.k_cap = self.max_k
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance, the capped-geometric maximum-likelihood estimate."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe_round(self, num_draft: int, accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.accepted = self.accepted * _DECAY + accepted
+        self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
+
+    def observe_times(self, speculate_ms: float, verify_ms: float) -> None:
+        """Keep the tree build inside the verification: shrink B (then K) when it overruns."""
+        if not self.adaptive or verify_ms <= 0 or self.max_budget == 0:
+            return
+        share = speculate_ms / verify_ms
+        if share > _SPEC_SHARE_HIGH:
+            if self.budget > self.k + 1:
+                self.budget = max(self.k + 1, int(self.budget * 0.8))
+            elif self.k_cap > 1:
+                self.k_cap -= 1
+        elif share < _SPEC_SHARE_LOW:
+            if self.k_cap < self.max_k:
+                self.k_cap += 1
+            elif self.budget < self.max_budget:
+                self.budget += 1
+
+    @property
+    def k(self) -> int:
+        """K for the next round: positions reached with probability >= _REACH, within the caps."""
+        if not self.adaptive:
+            return self.max_k
+        a = min(max(self.acceptance, 0.05), 0.99)
+        reach = max(1, math.ceil(math.log(_REACH) / math.log(a)))
+        return max(1, min(self.max_k, self.k_cap, reach))
+
+    def fanout(self, num_draft: int, vocab_size: int, r: float) -> list[int]:
+        return fanout_lib.allocate(self.acceptance, num_draft, self.budget, vocab_size, r)
+
+
+async def speculate(
+    draft: DraftLink,
+    gen: Generation,
+    draft_tokens: list[int],
+    num_tokens: int,
+    fanout: list[int],
+    saguaro: draft_pb2.SaguaroParams | None,
+) -> list[draft_pb2.SpeculationEntry]:
+    """Run Speculate and collect its stream; cancelling the task cancels the build."""
+    session = gen.draft_session
+
+    async def call(tail):
+        request = draft_pb2.SpeculateRequest(
+            session_id=session.session_id,
+            committed=tail,
+            draft_tokens=draft_tokens,
+            num_tokens=num_tokens,
+            fanout=fanout,
+            sampling=sampling_to_proto(gen.sampling),
+            max_support=gen.max_support,
+            saguaro=saguaro,
+        )
+        stream = draft._stub.Speculate(request, timeout=draft.timeout_s)
+        return [entry async for entry in stream]
+
+    committed = list(gen.committed)
+    return await draft._call(lambda: _synced_call(session, committed, call))
+
+
+def _saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
+    """Saguaro sampling for drafts whose positions will get `fanout` guesses; None when off."""
+    if gen.sampling.greedy or config.ssd_saguaro_c >= 1.0 or not fanout:
+        return None
+    return draft_pb2.SaguaroParams(c=config.ssd_saguaro_c, fanout=fanout)
+
+
+async def _propose(draft: DraftLink, gen: Generation, num_tokens: int, saguaro) -> Drafts:
+    session = gen.draft_session
+
+    async def call(tail):
+        request = draft_pb2.ProposeRequest(
+            session_id=session.session_id,
+            committed=tail,
+            num_tokens=num_tokens,
+            sampling=sampling_to_proto(gen.sampling),
+            max_support=gen.max_support,
+            saguaro=saguaro,
+        )
+        return await draft._stub.Propose(request, timeout=draft.timeout_s)
+
+    response = await draft._call(lambda: _synced_call(session, gen.committed, call))
+    dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
+    return Drafts(list(response.draft_tokens), dists, "")
+
+
+async def ssd_rounds(
+    gen: Generation, target: TargetLink, draft: DraftLink | None, config: CoordinatorConfig
+) -> AsyncIterator[RoundResult]:
+    """Speculative speculative decoding; target-only rounds when the draft is off or away."""
+    tuning = Tuning(
+        max_k=gen.num_speculative_tokens,
+        budget=config.ssd_budget,
+        max_budget=config.ssd_budget,
+        adaptive=config.ssd_adaptive,
+    )
+    ready: Drafts | None = None  # round T+1's draft from a cache hit, keyed to len(committed)
+    ready_at = -1
+    ready_wait_ms = 0.0  # what the loop waited on the draft to get it
+    index = 0
+    while (remaining := gen.max_len - len(gen.committed)) > 0:
+        num_draft = min(tuning.k, remaining - 1)
+        fallback = ""
+        hit: bool | None = None
+        backup = ""
+        draft_wait_ms = 0.0
+        drafts = Drafts([], [], "")
+        usable = gen.mode == "ssd" and draft is not None and await draft.usable()
+        vocab = draft.info.vocab_size if usable else 0
+        if not usable:
+            fallback = draft.last_error if draft is not None else "no draft worker is configured"
+        elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
+            drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
+            hit, draft_wait_ms = True, ready_wait_ms
+        elif num_draft > 0:
+            hit = None if index == 0 else False
+            backup = "propose" if index == 0 else config.ssd_backup
+            started = time.perf_counter()
+            if backup == "ngram":
+                guess = prompt_lookup(gen.committed, num_draft)
+                drafts = Drafts(guess, one_hot(guess), "ngram")
+            else:
+                saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
+                try:
+                    drafts = await _propose(draft, gen, num_draft, saguaro)
+                except DraftFailed as exc:
+                    fallback, usable = str(exc), False
+            draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
+        ready, ready_at, ready_wait_ms = None, -1, 0.0
+
+        verify_task = asyncio.ensure_future(
+            target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
+        )
+        spec_task = None
+        next_k = tuning.k
+        branches = 0
+        # Speculate only if another round may follow this one (k = 0 commits one token).
+        if usable and remaining > 1 and tuning.budget > 0:
+            fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
+            branches = sum(fanout)
+            saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
+            spec_task = asyncio.ensure_future(speculate(draft, gen, drafts.tokens, next_k, fanout, saguaro))
+        spec_started = time.perf_counter()
+        try:
+            verify = await verify_task
+        except BaseException:
+            if spec_task is not None:
+                spec_task.cancel()
+            raise
+        accepted, next_token = verify.accepted, verify.next_token
+        tuning.observe_round(len(drafts.tokens), accepted)
+
+        # LOOK UP: round T+1's draft from the cache, if the build finishes in time.
+        speculate_ms = 0.0
+        if spec_task is not None:
+            waited = time.perf_counter()
+            entries = await _collect(spec_task, config, verify.forward_ms, spec_started)
+            lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
+            if isinstance(entries, DraftFailed):
+                fallback = str(entries)
+            elif entries is not None:
+                speculate_ms = entries[0].forward_ms if entries else 0.0
+                tuning.observe_times(speculate_ms, verify.forward_ms)
+                for entry in entries:
+                    if entry.accepted == accepted and entry.next_token == next_token:
+                        ready = Drafts(
+                            list(entry.draft_tokens),
+                            [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs],
+                            "cache",
+                        )
+                        break
+            ready_wait_ms = lookup_wait_ms
+        tokens = drafts.tokens[:accepted] + [next_token]
+        ready_at = len(gen.committed) + len(tokens)
+        yield RoundResult(
+            index=index,
+            mode="ssd" if drafts.tokens else "off",
+            tokens=tokens,
+            logprobs=list(verify.logprobs),
+            num_draft=len(drafts.tokens),
+            accepted=accepted,
+            bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
+            draft_wait_ms=draft_wait_ms,
+            verify_ms=verify.forward_ms,
+            fallback_reason=fallback,
+            hit=hit,
+            backup=backup,
+            branches=branches,
+            speculate_ms=speculate_ms,
+        )
+        index += 1
+
+
+async def _collect(spec_task: asyncio.Future, config: CoordinatorConfig, verify_ms: float, started: float):
+    """The speculation cache once built; None if the loop gives up on it, DraftFailed on failure.
+
+    A JIT Propose would queue behind the build on the draft's one model thread, so with the
+    jit backup the loop always waits. With the ngram backup it waits only for a build expected
+    to end within a fraction of a verification, and otherwise cancels it (between tree steps).
+    """
+    if not spec_task.done() and config.ssd_backup == "ngram":
+        if config.ssd_wait_ms >= 0:
+            limit_s = config.ssd_wait_ms / 1000.0
+        else:
+            # The build was sized to end inside a verification; allow it half a verification more.
+            elapsed_ms = (time.perf_counter() - started) * 1000.0
+            limit_s = max(0.0, verify_ms * 1.5 - elapsed_ms) / 1000.0
+        await asyncio.wait({spec_task}, timeout=limit_s)
+        if not spec_task.done():
+            spec_task.cancel()
+            return None
+    try:
+        return await spec_task
+    except DraftFailed as exc:
+        return exc
