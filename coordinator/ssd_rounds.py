@@ -173,95 +173,98 @@ async def ssd_rounds(
     ready_wait_ms = 0.0  # what the loop waited on the draft to get it
     index = 0
     while (remaining := gen.max_len - len(gen.committed)) > 0:
-        num_draft = min(tuning.k, remaining - 1)
-        fallback = ""
-        hit: bool | None = None
-        backup = ""
-        draft_wait_ms = 0.0
-        drafts = Drafts([], [], "")
-        usable = gen.mode == "ssd" and draft is not None and await draft.usable()
-        vocab = draft.info.vocab_size if usable else 0
-        if not usable:
-            fallback = draft.last_error if draft is not None else "no draft worker is configured"
-        elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
-            drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
-            hit, draft_wait_ms = True, ready_wait_ms
-        elif num_draft > 0:
-            hit = None if index == 0 else False
-            backup = "propose" if index == 0 else config.ssd_backup
-            started = time.perf_counter()
-            if backup == "ngram":
-                guess = prompt_lookup(gen.committed, num_draft)
-                drafts = Drafts(guess, one_hot(guess), "ngram")
-            else:
-                saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
-                try:
-                    drafts = await _propose(draft, gen, num_draft, saguaro)
-                except DraftFailed as exc:
-                    fallback, usable = str(exc), False
-            draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
-        ready, ready_at, ready_wait_ms = None, -1, 0.0
+        with gen.trace.round(index) as span:  # Verify, Speculate and any Propose are its children
+            num_draft = min(tuning.k, remaining - 1)
+            fallback = ""
+            hit: bool | None = None
+            backup = ""
+            draft_wait_ms = 0.0
+            drafts = Drafts([], [], "")
+            usable = gen.mode == "ssd" and draft is not None and await draft.usable()
+            vocab = draft.info.vocab_size if usable else 0
+            if not usable:
+                fallback = draft.last_error if draft is not None else "no draft worker is configured"
+            elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
+                drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
+                hit, draft_wait_ms = True, ready_wait_ms
+            elif num_draft > 0:
+                hit = None if index == 0 else False
+                backup = "propose" if index == 0 else config.ssd_backup
+                started = time.perf_counter()
+                if backup == "ngram":
+                    guess = prompt_lookup(gen.committed, num_draft)
+                    drafts = Drafts(guess, one_hot(guess), "ngram")
+                else:
+                    saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
+                    try:
+                        drafts = await _propose(draft, gen, num_draft, saguaro)
+                    except DraftFailed as exc:
+                        fallback, usable = str(exc), False
+                draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
+            ready, ready_at, ready_wait_ms = None, -1, 0.0
 
-        verify_task = asyncio.ensure_future(
-            target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
-        )
-        spec_task = None
-        next_k = tuning.k
-        branches = 0
-        # Speculate only if another round may follow this one (k = 0 commits one token).
-        if usable and remaining > 1 and tuning.budget > 0:
-            fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
-            branches = sum(fanout)
-            saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
-            spec_task = asyncio.ensure_future(speculate(draft, gen, drafts.tokens, next_k, fanout, saguaro))
-        spec_started = time.perf_counter()
-        try:
-            verify = await verify_task
-        except BaseException:
+            verify_task = asyncio.ensure_future(
+                target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
+            )
+            spec_task = None
+            next_k = tuning.k
+            branches = 0
+            # Speculate only if another round may follow this one (k = 0 commits one token).
+            if usable and remaining > 1 and tuning.budget > 0:
+                fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
+                branches = sum(fanout)
+                saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
+                spec_task = asyncio.ensure_future(speculate(draft, gen, drafts.tokens, next_k, fanout, saguaro))
+            spec_started = time.perf_counter()
+            try:
+                verify = await verify_task
+            except BaseException:
+                if spec_task is not None:
+                    spec_task.cancel()
+                raise
+            accepted, next_token = verify.accepted, verify.next_token
+            tuning.observe_round(len(drafts.tokens), accepted)
+
+            # LOOK UP: round T+1's draft from the cache, if the build finishes in time.
+            speculate_ms = 0.0
             if spec_task is not None:
-                spec_task.cancel()
-            raise
-        accepted, next_token = verify.accepted, verify.next_token
-        tuning.observe_round(len(drafts.tokens), accepted)
-
-        # LOOK UP: round T+1's draft from the cache, if the build finishes in time.
-        speculate_ms = 0.0
-        if spec_task is not None:
-            waited = time.perf_counter()
-            entries = await _collect(spec_task, config, verify.forward_ms, spec_started)
-            lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
-            if isinstance(entries, DraftFailed):
-                fallback = str(entries)
-            elif entries is not None:
-                speculate_ms = entries[0].forward_ms if entries else 0.0
-                tuning.observe_times(speculate_ms, verify.forward_ms)
-                for entry in entries:
-                    if entry.accepted == accepted and entry.next_token == next_token:
-                        ready = Drafts(
-                            list(entry.draft_tokens),
-                            [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs],
-                            "cache",
-                        )
-                        break
-            ready_wait_ms = lookup_wait_ms
-        tokens = drafts.tokens[:accepted] + [next_token]
-        ready_at = len(gen.committed) + len(tokens)
-        yield RoundResult(
-            index=index,
-            mode="ssd" if drafts.tokens else "off",
-            tokens=tokens,
-            logprobs=list(verify.logprobs),
-            num_draft=len(drafts.tokens),
-            accepted=accepted,
-            bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
-            draft_wait_ms=draft_wait_ms,
-            verify_ms=verify.forward_ms,
-            fallback_reason=fallback,
-            hit=hit,
-            backup=backup,
-            branches=branches,
-            speculate_ms=speculate_ms,
-        )
+                waited = time.perf_counter()
+                entries = await _collect(spec_task, config, verify.forward_ms, spec_started)
+                lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
+                if isinstance(entries, DraftFailed):
+                    fallback = str(entries)
+                elif entries is not None:
+                    speculate_ms = entries[0].forward_ms if entries else 0.0
+                    tuning.observe_times(speculate_ms, verify.forward_ms)
+                    for entry in entries:
+                        if entry.accepted == accepted and entry.next_token == next_token:
+                            ready = Drafts(
+                                list(entry.draft_tokens),
+                                [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs],
+                                "cache",
+                            )
+                            break
+                ready_wait_ms = lookup_wait_ms
+            tokens = drafts.tokens[:accepted] + [next_token]
+            ready_at = len(gen.committed) + len(tokens)
+            result = RoundResult(
+                index=index,
+                mode="ssd" if drafts.tokens else "off",
+                tokens=tokens,
+                logprobs=list(verify.logprobs),
+                num_draft=len(drafts.tokens),
+                accepted=accepted,
+                bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
+                draft_wait_ms=draft_wait_ms,
+                verify_ms=verify.forward_ms,
+                fallback_reason=fallback,
+                hit=hit,
+                backup=backup,
+                branches=branches,
+                speculate_ms=speculate_ms,
+            )
+            span.record(result)
+        yield result
         index += 1
 
 
