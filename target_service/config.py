@@ -21,6 +21,10 @@ class TargetConfig:
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
     tensor_parallel: int = setting(1, "ranks of the tensor-parallel target (1 = one device)")
+    tp_timeout_s: float = setting(
+        1800.0, "tensor parallel: collective timeout of the command group ranks wait in between requests"
+    )
+    tp_heartbeat_s: float = setting(5.0, "tensor parallel: rank 0 broadcasts a heartbeat after this long idle")
 
     def validate(self) -> None:
         if not self.model:
@@ -31,3 +35,5 @@ class TargetConfig:
             raise ConfigError("--session-idle-timeout-s must be > 0")
         if self.tensor_parallel < 1:
             raise ConfigError("--tensor-parallel must be >= 1")
+        if not 0 < self.tp_heartbeat_s < self.tp_timeout_s:
+            raise ConfigError("--tp-heartbeat-s must be > 0 and shorter than --tp-timeout-s")

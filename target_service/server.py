@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from specd.models import load_causal_lm, set_threads
 from specd.forward import warm_up
@@ -29,6 +30,10 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
 
 def load_runner(config: TargetConfig) -> TargetModelRunner:
+    if config.tensor_parallel > 1:
+        from target_service.tensor_parallel import load_tensor_parallel_runner
+
+        return load_tensor_parallel_runner(config)
     set_threads(config.threads)
     loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
     warm_up(loaded.model)
@@ -69,6 +74,11 @@ async def start_target(config: TargetConfig, interceptors: list | None = None, t
 
 
 async def serve(config: TargetConfig) -> None:
+    if config.tensor_parallel > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from target_service import tensor_parallel
+
+        await tensor_parallel.serve(config)  # N ranks: rank 0 serves, the others follow it
+        return
     service = await start_target(config)
     log.info("target worker started on %s:%d, loading %s", config.host, service.port, config.model)
     await service.serve_until_signal()
