@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import pathlib
 
 import pytest
@@ -42,17 +43,29 @@ def load_reference(folder: str):
 
 @torch.inference_mode()
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Plain transformers greedy decoding of the target alone; EOS cannot stop it early."""
-    input_ids = torch.tensor([prompt_ids])
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
-    )
-    return output[0, len(prompt_ids) :].tolist()
+    """Plain transformers greedy decoding of the target alone, run on past any EOS (as ignore_eos does).
+
+    Not `min_new_tokens`: that masks the EOS logits, so wherever EOS is the argmax it picks the
+    runner-up, which is not what the target alone decodes. With no eos_token_id in the generation
+    config (passing None is overridden by the model's defaults), generate neither stops nor masks.
+    """
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None
+    try:
+        input_ids = torch.tensor([prompt_ids])
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+        )
+    finally:
+        model.generation_config = saved
+    tokens = output[0, len(prompt_ids) :].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens
 
 
 @torch.inference_mode()

@@ -1,0 +1,222 @@
+"""Workers that die or restart, unreachable targets, cancelled requests.
+
+The coordinator owns the committed tokens: a lost draft only costs speed, a lost target is
+UNAVAILABLE promptly, and a cancelled request frees its sessions on both workers.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.server import start_coordinator
+from specd.v1 import coordinator_pb2 as pb
+from specd.v1 import coordinator_pb2_grpc
+from tests.conftest import (
+    CALL_TIMEOUT_S,
+    assert_greedy_equal_or_near_tie,
+    greedy_reference,
+    load_reference,
+    request,
+    running_stack,
+)
+from tests.stack import ServiceStack
+
+PROMPT = "def add(a, b):"
+UNAVAILABLE_WITHIN_S = 5.0  # "promptly": a hang would run into the 10 s client deadline instead
+HANG_DEADLINE_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    model, tokenizer = load_reference(tiny_pair[0])
+    ids = tokenizer.encode(PROMPT)
+    return model, ids, greedy_reference(model, ids, 400)
+
+
+@pytest.fixture
+def stack(tiny_pair):
+    with running_stack(*tiny_pair) as running:
+        yield running
+
+
+def _sessions(service) -> int:
+    return len(service.servicer.runner.sessions)
+
+
+def _wait_for(condition, timeout_s: float, every_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every_s)
+    return condition()
+
+
+def test_draft_down_falls_back_to_target_only_then_recovers(stack, reference):
+    model, ids, greedy = reference
+    stub = stack.stub()
+    want = greedy[:32]
+    off = stub.Generate(request(ids, mode=pb.SPECULATION_MODE_OFF, max_new_tokens=32), timeout=CALL_TIMEOUT_S)
+    assert_greedy_equal_or_near_tie(model, ids, list(off.token_ids), want)
+
+    stack.stop_draft()
+    for mode in (pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_AUTO, pb.SPECULATION_MODE_SD):
+        response = stub.Generate(request(ids, mode=mode, max_new_tokens=32), timeout=CALL_TIMEOUT_S)
+        assert list(response.token_ids) == list(off.token_ids)
+        assert response.stats.mode == pb.SPECULATION_MODE_OFF
+        assert response.stats.fallback_reason, "a fallback must say why"
+        assert response.stats.draft_tokens == 0
+    info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=CALL_TIMEOUT_S)
+    assert not info.draft_available and info.draft_model == ""
+
+    stack.restart_draft()
+    deadline = time.monotonic() + 5.0  # the coordinator retries the draft after draft_retry_s = 0.2 s
+    while True:
+        response = stub.Generate(request(ids, mode=pb.SPECULATION_MODE_SD, max_new_tokens=32), timeout=CALL_TIMEOUT_S)
+        assert list(response.token_ids) == list(off.token_ids)
+        if response.stats.mode == pb.SPECULATION_MODE_SD or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert response.stats.mode == pb.SPECULATION_MODE_SD, response.stats
+    assert response.stats.draft_tokens > 0 and not response.stats.fallback_reason
+    assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=CALL_TIMEOUT_S).draft_available
+
+
+def test_draft_restart_mid_request_keeps_the_result_exact(stack, reference):
+    """The draft worker restarts (losing every session) while a long request runs."""
+    model, ids, greedy = reference
+    stub = stack.stub()
+    call = stub.GenerateStream(request(ids, max_new_tokens=400, k=4), timeout=CALL_TIMEOUT_S)
+    messages = [next(call)]
+    assert _wait_for(lambda: _sessions(stack.draft) == 1, 2.0)
+    old_draft = stack.draft
+    stack.stop_draft()
+    stack.restart_draft()
+    assert stack.draft is not old_draft
+    # The request re-prefills its session on the fresh worker while it is still running.
+    assert _wait_for(lambda: _sessions(stack.draft) == 1, 5.0), "the request never used the restarted draft"
+    messages.extend(call)
+    final = messages[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    tokens = [t for m in messages for t in m.token_ids]
+    assert_greedy_equal_or_near_tie(model, ids, tokens, greedy)
+    assert final.stats.mode == pb.SPECULATION_MODE_SD
+    assert _wait_for(lambda: _sessions(stack.draft) == 0 and _sessions(stack.target) == 0, 1.0)
+
+
+def test_target_restart_is_not_needed_for_lost_target_sessions(stack, reference):
+    """A target that lost a session (expiry) mid-request gets the history resent: same tokens."""
+    model, ids, greedy = reference
+    stub = stack.stub()
+    call = stub.GenerateStream(request(ids, max_new_tokens=300, k=4), timeout=CALL_TIMEOUT_S)
+    messages = [next(call)]
+    store = stack.target.servicer.runner.sessions
+    assert _wait_for(lambda: len(store) == 1, 2.0)
+    session_id = next(iter(store._sessions))
+    assert store.end(session_id)  # as if it had expired
+    messages.extend(call)
+    tokens = [t for m in messages for t in m.token_ids]
+    assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:300])
+
+
+def test_target_unreachable_at_start_is_unavailable_quickly(tiny_pair):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    holder = ServiceStack(tiny_pair[0], None)  # only its event loop: nothing else is started
+    config = CoordinatorConfig(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=-1,
+        target_address=f"127.0.0.1:{closed_port}",
+        draft_address="",
+        startup_timeout_s=60.0,
+        worker_timeout_s=5.0,
+    )
+    try:
+        holder.coordinator = holder.run(start_coordinator(config))
+        channel = grpc.insecure_channel(holder.address)
+        health = health_pb2_grpc.HealthStub(channel)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        time.sleep(0.5)  # let it try the target a few times
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HANG_DEADLINE_S).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        for call in (
+            lambda: stub.Generate(request([5, 6, 7], max_new_tokens=4), timeout=HANG_DEADLINE_S),
+            lambda: list(stub.GenerateStream(request([5, 6, 7], max_new_tokens=4), timeout=HANG_DEADLINE_S)),
+            lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=HANG_DEADLINE_S),
+        ):
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as raised:
+                call()
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+            assert time.monotonic() - started < UNAVAILABLE_WITHIN_S
+        channel.close()
+    finally:
+        holder.close()
+
+
+def test_target_killed_after_start_is_unavailable_quickly(tiny_pair):
+    with running_stack(*tiny_pair) as stack:
+        stub = stack.stub()
+        assert len(stub.Generate(request([5, 6, 7], max_new_tokens=4), timeout=CALL_TIMEOUT_S).token_ids) == 4
+        stack.run(stack.target.stop(0))
+        for mode in (pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_OFF):
+            for stream in (False, True):
+                message = request([5, 6, 7], mode=mode, max_new_tokens=16)
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as raised:
+                    if stream:
+                        list(stub.GenerateStream(message, timeout=HANG_DEADLINE_S))
+                    else:
+                        stub.Generate(message, timeout=HANG_DEADLINE_S)
+                assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+                assert "target" in raised.value.details()
+                assert time.monotonic() - started < UNAVAILABLE_WITHIN_S
+
+
+@pytest.mark.parametrize("after_messages", [0, 1, 5])
+def test_cancelled_stream_frees_sessions_on_both_workers(stack, reference, after_messages):
+    _, ids, _ = reference
+    stub = stack.stub()
+    call = stub.GenerateStream(request(ids, max_new_tokens=400, k=4), timeout=CALL_TIMEOUT_S)
+    if after_messages == 0:
+        # Cancel as soon as both workers hold the session (during or right after the prefill).
+        assert _wait_for(lambda: _sessions(stack.target) == 1 and _sessions(stack.draft) == 1, 5.0)
+    for _ in range(after_messages):
+        next(call)
+    assert _sessions(stack.target) == 1 and _sessions(stack.draft) == 1
+    call.cancel()
+    assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0), (
+        f"sessions left: target {_sessions(stack.target)}, draft {_sessions(stack.draft)}"
+    )
+    # And they stay freed: nothing in flight re-creates them.
+    time.sleep(0.3)
+    assert _sessions(stack.target) == 0 and _sessions(stack.draft) == 0
+    # The stack still serves.
+    assert len(stub.Generate(request(ids, max_new_tokens=8), timeout=CALL_TIMEOUT_S).token_ids) == 8
+
+
+def test_cancelled_unary_requests_free_sessions(stack, reference):
+    _, ids, _ = reference
+    stub = stack.stub()
+    futures = [stub.Generate.future(request(ids, max_new_tokens=400, k=k), timeout=CALL_TIMEOUT_S) for k in (1, 4)]
+    assert _wait_for(lambda: _sessions(stack.target) == 2, 5.0)
+    for future in futures:
+        future.cancel()
+    assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
+
+
+def test_client_deadline_frees_sessions(stack, reference):
+    _, ids, _ = reference
+    stub = stack.stub()
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Generate(request(ids, max_new_tokens=400), timeout=0.3)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
