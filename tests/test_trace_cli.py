@@ -1,0 +1,94 @@
+"""End to end: the three services (`specd serve` processes) export OTLP to a receiver the test starts on
+loopback; the whole trace is found there by the trace id the client got back, and
+`specd trace` draws it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specd.cli import main
+from specd.cli.up import free_port, wait_serving
+from specd.trace_store import Receiver, load_spans, trace_spans
+
+SERVICES = {"specd-coordinator", "specd-target", "specd-draft"}
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _serve(role: str, port: int, flags: list[str], env: dict, log) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "specd", "serve", role, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", *flags],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+    )
+
+
+@pytest.mark.slow
+def test_served_stack_exports_the_whole_trace(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    receiver = Receiver(tmp_path / "spans.jsonl", port=0).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="100")
+    ports = {role: free_port("127.0.0.1") for role in ("target", "draft", "coordinator")}
+    worker = ["--device", "cpu", "--threads", "1"]
+    log = (tmp_path / "services.log").open("wb")
+    # All three start at once (the coordinator waits for the target itself): imports dominate here.
+    processes = [
+        _serve("target", ports["target"], ["--model", target, *worker], env, log),
+        _serve("draft", ports["draft"], ["--model", draft, *worker], env, log),
+        _serve("coordinator", ports["coordinator"], ["--target-address", f"127.0.0.1:{ports['target']}",
+               "--draft-address", f"127.0.0.1:{ports['draft']}"], env, log),
+    ]
+    try:
+        address = f"127.0.0.1:{ports['coordinator']}"
+        deadline = time.monotonic() + 90
+        for role in ("target", "draft"):  # so the request speculates from its first round
+            wait_serving(f"127.0.0.1:{ports[role]}", processes[0 if role == "target" else 1], role, tmp_path / "services.log", deadline)
+        wait_serving(address, processes[2], "coordinator", tmp_path / "services.log", deadline)
+        generate = subprocess.run(
+            [sys.executable, "-m", "specd", "generate", "def add(a, b):", "--address", address, "--json",
+             "--max-new-tokens", "10", "--ignore-eos", "--mode", "sd", "-k", "3", "--timeout", "60"],
+            capture_output=True, text=True, env=env, timeout=90,
+        )
+        assert generate.returncode == 0, generate.stderr
+        result = json.loads(generate.stdout)
+        trace_id = result["trace_id"]
+        assert len(trace_id) == 32 and trace_id == trace_id.lower() and int(trace_id, 16)
+
+        def whole_trace():
+            spans = [s for s in load_spans(receiver.path) if s["trace_id"] == trace_id]
+            names = {s["name"] for s in spans}
+            complete = {s["service"] for s in spans} == SERVICES and {"llm_request", "spec_verify", "spec_propose"} <= names
+            rounds = sum(s["name"] == "spec_round" for s in spans)
+            return spans if complete and rounds == result["stats"]["rounds"] else None
+
+        spans = _wait_for(whole_trace, 20.0, "the trace at the receiver")
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+        receiver.stop()
+    (root,) = [s for s in spans if s["name"] == "llm_request"]
+    assert root["service"] == "specd-coordinator" and root["kind"] == "SERVER" and not root["parent_span_id"]
+    assert root["attributes"]["gen_ai.usage.output_tokens"] == 10
+    ids = {s["span_id"] for s in spans}
+    assert all(not s["parent_span_id"] or s["parent_span_id"] in ids for s in spans)
+
+    output = tmp_path / "trace.png"
+    assert main(["trace", trace_id, "--spans", str(receiver.path), "-o", str(output)]) == 0
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert trace_spans(load_spans(receiver.path), None)[0]["trace_id"] == trace_id  # latest request by default
