@@ -101,7 +101,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens
             )
             sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
-            result = await self._thread.run(
+            result = await self._traced("spec_speculate", self._thread.run(
                 runner.speculate,
                 request.session_id,
                 request.committed.start,
@@ -113,7 +113,8 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 request.max_support,
                 *_saguaro(request.saguaro),
                 cancel,
-            )
+            ), lambda r: {"branches": len(r.branches), "forward_ms": r.forward_ms},
+                draft_tokens=len(draft_tokens), steps=request.num_tokens + 1, fanout=fanout)
         except (asyncio.CancelledError, SpeculationCancelled):
             cancel.set()
             raise

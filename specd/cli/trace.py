@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
     output = args.output or f"trace-{spans[0]['trace_id']}.png"
     summary = draw(spans, output)
-    print(f"{output}: {summary}")
+    print(f"{output}: {summary}".replace("\n", " "))
     return 0
 
 
@@ -119,7 +119,7 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     overlap = _overlap(draft, verify)
 
     width = max(8.0, min(24.0, 6.0 + 0.12 * len(rounds)))
-    fig, ax = plt.subplots(figsize=(width, 3.6), dpi=120)
+    fig, ax = plt.subplots(figsize=(width, 3.4), dpi=120)
     y = {lane: len(LANES) - 1 - i for i, lane in enumerate(LANES)}
     hits = misses = 0
     for i, s in enumerate(rounds):
@@ -157,7 +157,7 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     a = root["attributes"]
     overlap_ms = sum(end - start for start, end in overlap) / 1e6
     summary = (
-        f"trace {root['trace_id']}: {a.get('gen_ai.usage.output_tokens', '?')} tokens in "
+        f"trace {root['trace_id']}:\n{a.get('gen_ai.usage.output_tokens', '?')} tokens in "
         f"{a.get('specd.rounds', len(rounds))} rounds, {a.get('specd.e2e_ms', ms(root['end_ns'])):.1f} ms, "
         f"ttft {a.get('specd.ttft_ms', float('nan')):.1f} ms, mean acceptance length "
         f"{a.get('specd.mean_acceptance_length', float('nan')):.2f}, draft/verify overlap {overlap_ms:.1f} ms"
@@ -184,4 +184,4 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     fig.tight_layout()
     fig.savefig(output)
     plt.close(fig)
-    return summary
+    return summary.replace("\n", " ")
