@@ -168,7 +168,7 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     ax.set_xlabel("ms since the request started (llm_request)")
     ax.set_xlim(0, max(ms(root["end_ns"]), max((ms(s["end_ns"]) for s in spans), default=1.0)))
     ax.set_ylim(-0.6, len(LANES) - 0.2)
-    ax.set_title(summary, fontsize=8)
+    ax.set_title(summary, fontsize=7)
     from matplotlib.patches import Patch
 
     legend = [
