@@ -7,6 +7,7 @@ UNAVAILABLE promptly, and a cancelled request frees its sessions on both workers
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import grpc
@@ -36,7 +37,7 @@ HANG_DEADLINE_S = 10.0
 def reference(tiny_pair):
     model, tokenizer = load_reference(tiny_pair[0])
     ids = tokenizer.encode(PROMPT)
-    return model, ids, greedy_reference(model, ids, 400)
+    return model, ids, greedy_reference(model, ids, 200)
 
 
 @pytest.fixture
@@ -88,41 +89,81 @@ def test_draft_down_falls_back_to_target_only_then_recovers(stack, reference):
     assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=CALL_TIMEOUT_S).draft_available
 
 
+class _VerifyGate:
+    """Holds the target's next Verify on its model thread until released: a fixed point mid-request."""
+
+    def __init__(self, runner):
+        self._runner = runner
+        self._original = runner.verify
+        self.held = threading.Event()
+        self._release = threading.Event()
+        runner.verify = self._verify  # the servicer looks runner.verify up on every call
+
+    def _verify(self, *args, **kwargs):
+        if not self._release.is_set():
+            self.held.set()
+            self._release.wait(CALL_TIMEOUT_S)
+        return self._original(*args, **kwargs)
+
+    def release(self) -> None:
+        self._release.set()
+        self._runner.verify = self._original
+
+
+def _count_calls(runner, name: str) -> list[int]:
+    count = [0]
+    original = getattr(runner, name)
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(runner, name, counted)
+    return count
+
+
 def test_draft_restart_mid_request_keeps_the_result_exact(stack, reference):
-    """The draft worker restarts (losing every session) while a long request runs."""
+    """The draft worker restarts (losing every session) while a request waits on the target."""
     model, ids, greedy = reference
     stub = stack.stub()
-    call = stub.GenerateStream(request(ids, max_new_tokens=400, k=4), timeout=CALL_TIMEOUT_S)
+    call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
     messages = [next(call)]
-    assert _wait_for(lambda: _sessions(stack.draft) == 1, 2.0)
+    gate = _VerifyGate(stack.target.servicer.runner)
+    assert gate.held.wait(5.0)
+    assert _sessions(stack.draft) == 1
     old_draft = stack.draft
     stack.stop_draft()
     stack.restart_draft()
-    assert stack.draft is not old_draft
-    # The request re-prefills its session on the fresh worker while it is still running.
-    assert _wait_for(lambda: _sessions(stack.draft) == 1, 5.0), "the request never used the restarted draft"
+    assert stack.draft is not old_draft and _sessions(stack.draft) == 0
+    proposals = _count_calls(stack.draft.servicer.runner, "propose")
+    gate.release()
     messages.extend(call)
     final = messages[-1]
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
     tokens = [t for m in messages for t in m.token_ids]
-    assert_greedy_equal_or_near_tie(model, ids, tokens, greedy)
+    assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:200])
+    assert proposals[0] > 0, "the request never used the restarted draft"
     assert final.stats.mode == pb.SPECULATION_MODE_SD
     assert _wait_for(lambda: _sessions(stack.draft) == 0 and _sessions(stack.target) == 0, 1.0)
 
 
-def test_target_restart_is_not_needed_for_lost_target_sessions(stack, reference):
-    """A target that lost a session (expiry) mid-request gets the history resent: same tokens."""
+def test_lost_target_session_mid_request_is_resent(stack, reference):
+    """A target that lost a session (expiry, restart) mid-request gets the history resent: same tokens."""
     model, ids, greedy = reference
     stub = stack.stub()
-    call = stub.GenerateStream(request(ids, max_new_tokens=300, k=4), timeout=CALL_TIMEOUT_S)
+    call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
     messages = [next(call)]
+    gate = _VerifyGate(stack.target.servicer.runner)
+    assert gate.held.wait(5.0)
     store = stack.target.servicer.runner.sessions
-    assert _wait_for(lambda: len(store) == 1, 2.0)
-    session_id = next(iter(store._sessions))
-    assert store.end(session_id)  # as if it had expired
+    (session_id,) = list(store._sessions)
+    assert store.end(session_id)  # as if it had expired while the Verify was on its way
+    prefills = _count_calls(stack.target.servicer.runner, "prefill")
+    gate.release()
     messages.extend(call)
     tokens = [t for m in messages for t in m.token_ids]
-    assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:300])
+    assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:200])
+    assert prefills[0] == 0  # the resend rides on Verify itself, from position 0
 
 
 def test_target_unreachable_at_start_is_unavailable_quickly(tiny_pair):
@@ -182,17 +223,25 @@ def test_target_killed_after_start_is_unavailable_quickly(tiny_pair):
 
 
 @pytest.mark.parametrize("after_messages", [0, 1, 5])
-def test_cancelled_stream_frees_sessions_on_both_workers(stack, reference, after_messages):
+@pytest.mark.parametrize("hold_verify", [False, True], ids=["running", "verify-held"])
+def test_cancelled_stream_frees_sessions_on_both_workers(stack, reference, after_messages, hold_verify):
     _, ids, _ = reference
     stub = stack.stub()
     call = stub.GenerateStream(request(ids, max_new_tokens=400, k=4), timeout=CALL_TIMEOUT_S)
     if after_messages == 0:
-        # Cancel as soon as both workers hold the session (during or right after the prefill).
+        # As soon as both workers hold the session (during or right after the prefill).
         assert _wait_for(lambda: _sessions(stack.target) == 1 and _sessions(stack.draft) == 1, 5.0)
     for _ in range(after_messages):
         next(call)
+    gate = None
+    if hold_verify:  # cancel while a Verify runs on the target: the session must still go
+        gate = _VerifyGate(stack.target.servicer.runner)
+        assert gate.held.wait(5.0)
     assert _sessions(stack.target) == 1 and _sessions(stack.draft) == 1
     call.cancel()
+    if gate is not None:
+        time.sleep(0.1)
+        gate.release()
     assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0), (
         f"sessions left: target {_sessions(stack.target)}, draft {_sessions(stack.draft)}"
     )
@@ -208,15 +257,22 @@ def test_cancelled_unary_requests_free_sessions(stack, reference):
     stub = stack.stub()
     futures = [stub.Generate.future(request(ids, max_new_tokens=400, k=k), timeout=CALL_TIMEOUT_S) for k in (1, 4)]
     assert _wait_for(lambda: _sessions(stack.target) == 2, 5.0)
+    gate = _VerifyGate(stack.target.servicer.runner)
+    assert gate.held.wait(5.0)
     for future in futures:
         future.cancel()
+    time.sleep(0.1)
+    gate.release()
     assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
 
 
 def test_client_deadline_frees_sessions(stack, reference):
     _, ids, _ = reference
     stub = stack.stub()
+    gate = _VerifyGate(stack.target.servicer.runner)
     with pytest.raises(grpc.RpcError) as raised:
-        stub.Generate(request(ids, max_new_tokens=400), timeout=0.3)
+        stub.Generate(request(ids, max_new_tokens=400), timeout=0.5)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert gate.held.is_set()
+    gate.release()
     assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
