@@ -49,19 +49,27 @@ class Drafts:
 
 
 @dataclasses.dataclass
+class Sizing:
+    """What the timing controller learned: kept across requests, as the machines do not change."""
+
+    budget: int
+    k_cap: int
+
+
+@dataclasses.dataclass
 class Tuning:
-    """Per-request adaptive state: acceptance estimate, K and budget from measured times."""
+    """Per-request adaptive state: acceptance estimate; K and budget from measured times."""
 
     max_k: int
-    budget: int
     max_budget: int
     adaptive: bool
+    sizing: Sizing
     accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
     rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
-    k_cap: int = 0  # lowered while a full tree does not fit in a verification
 
-    def __post_init__(self) -> None:
-        self.k_cap = self.max_k
+    @property
+    def budget(self) -> int:
+        return min(self.sizing.budget, self.max_budget) if self.adaptive else self.max_budget
 
     @property
     def acceptance(self) -> float:
@@ -74,21 +82,25 @@ class Tuning:
         self.accepted = self.accepted * _DECAY + accepted
         self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
 
-    def observe_times(self, speculate_ms: float, verify_ms: float) -> None:
-        """Keep the tree build inside the verification: shrink B (then K) when it overruns."""
+    def observe_times(self, late_ms: float, speculate_ms: float, verify_ms: float) -> None:
+        """Keep the tree build inside the verification: shrink B (then K) when it ends late.
+
+        late_ms: how long the loop waited for the cache after the verification came back;
+        speculate_ms: the draft's forwards; verify_ms: the verification's wall time.
+        """
         if not self.adaptive or verify_ms <= 0 or self.max_budget == 0:
             return
-        share = speculate_ms / verify_ms
-        if share > _SPEC_SHARE_HIGH:
-            if self.budget > self.k + 1:
-                self.budget = max(self.k + 1, int(self.budget * 0.8))
-            elif self.k_cap > 1:
-                self.k_cap -= 1
-        elif share < _SPEC_SHARE_LOW:
-            if self.k_cap < self.max_k:
-                self.k_cap += 1
-            elif self.budget < self.max_budget:
-                self.budget += 1
+        sizing = self.sizing
+        if late_ms > (1.0 - _SPEC_SHARE_HIGH) * verify_ms:
+            if sizing.budget > self.k + 1:
+                sizing.budget = max(self.k + 1, int(sizing.budget * 0.8))
+            elif sizing.k_cap > 1:
+                sizing.k_cap -= 1
+        elif late_ms == 0.0 and speculate_ms < _SPEC_SHARE_LOW * verify_ms:
+            if sizing.k_cap < self.max_k:
+                sizing.k_cap += 1
+            elif sizing.budget < self.max_budget:
+                sizing.budget += 1
 
     @property
     def k(self) -> int:
@@ -97,7 +109,7 @@ class Tuning:
             return self.max_k
         a = min(max(self.acceptance, 0.05), 0.99)
         reach = max(1, math.ceil(math.log(_REACH) / math.log(a)))
-        return max(1, min(self.max_k, self.k_cap, reach))
+        return max(1, min(self.max_k, self.sizing.k_cap, reach))
 
     def fanout(self, num_draft: int, vocab_size: int, r: float) -> list[int]:
         return fanout_lib.allocate(self.acceptance, num_draft, self.budget, vocab_size, r)
@@ -159,14 +171,23 @@ async def _propose(draft: DraftLink, gen: Generation, num_tokens: int, saguaro) 
 
 
 async def ssd_rounds(
-    gen: Generation, target: TargetLink, draft: DraftLink | None, config: CoordinatorConfig
+    gen: Generation,
+    target: TargetLink,
+    draft: DraftLink | None,
+    config: CoordinatorConfig,
+    sizing: Sizing | None = None,
 ) -> AsyncIterator[RoundResult]:
-    """Speculative speculative decoding; target-only rounds when the draft is off or away."""
+    """Speculative speculative decoding; target-only rounds when the draft is off or away.
+
+    `sizing` carries the budget and K cap learned from measured times across requests.
+    """
+    if sizing is None:
+        sizing = Sizing(budget=config.ssd_budget, k_cap=gen.num_speculative_tokens)
     tuning = Tuning(
         max_k=gen.num_speculative_tokens,
-        budget=config.ssd_budget,
         max_budget=config.ssd_budget,
         adaptive=config.ssd_adaptive,
+        sizing=sizing,
     )
     ready: Drafts | None = None  # round T+1's draft from a cache hit, keyed to len(committed)
     ready_at = -1
@@ -229,13 +250,16 @@ async def ssd_rounds(
             speculate_ms = 0.0
             if spec_task is not None:
                 waited = time.perf_counter()
+                verify_wall_ms = (waited - spec_started) * 1000.0
                 entries = await _collect(spec_task, config, verify.forward_ms, spec_started)
                 lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
                 if isinstance(entries, DraftFailed):
                     fallback = str(entries)
-                elif entries is not None:
+                elif entries is None:
+                    tuning.observe_times(lookup_wait_ms + verify_wall_ms, 0.0, verify_wall_ms)  # gave up: too late
+                else:
                     speculate_ms = entries[0].forward_ms if entries else 0.0
-                    tuning.observe_times(speculate_ms, verify.forward_ms)
+                    tuning.observe_times(lookup_wait_ms if lookup_wait_ms > 0.2 else 0.0, speculate_ms, verify_wall_ms)
                     for entry in entries:
                         if entry.accepted == accepted and entry.next_token == next_token:
                             ready = Drafts(

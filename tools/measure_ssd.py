@@ -1,0 +1,176 @@
+"""Measure ssd against sd and target-only on real worker processes (one torch thread each).
+
+Starts a target and a draft worker once (`specd serve`, --threads 1), then one coordinator per
+setting, runs the same prompts through each and prints per setting: tokens/s, ms per round,
+mean acceptance length, cache hit rate and the time the loop waited on the draft.
+
+    python tools/measure_ssd.py --target models/demo/target --draft models/demo/draft
+    python tools/measure_ssd.py --tiny             # the tests' tiny pair, built in a temp folder
+    python tools/measure_ssd.py ... --settings "ssd:ssd_budget=8" "ssd:ssd_budget=24,ssd_backup=ngram"
+
+A setting is MODE[:field=value,...] with CoordinatorConfig fields (ssd_budget, ssd_backup,
+ssd_fanout_r, ssd_saguaro_c, ssd_adaptive, num_speculative_tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specd.v1 import common_pb2
+from specd.v1 import coordinator_pb2 as pb  # noqa: E402
+from specd.v1 import coordinator_pb2_grpc  # noqa: E402
+
+MODES = {"ssd": pb.SPECULATION_MODE_SSD, "sd": pb.SPECULATION_MODE_SD, "off": pb.SPECULATION_MODE_OFF}
+PROMPTS = [
+    "def parse_args(argv):\n",
+    "import os\nimport sys\n\n",
+    "class Cache:\n    def __init__(self, size):\n",
+    "    for key, value in items:\n",
+    "def read_file(path):\n    with open(path) as f:\n",
+    "if __name__ == '__main__':\n",
+]
+DEFAULT_SETTINGS = [
+    "off",
+    "sd",
+    "ssd:ssd_budget=0,ssd_backup=jit",
+    "ssd:ssd_budget=8",
+    "ssd:ssd_budget=16",
+    "ssd:ssd_budget=16,ssd_backup=ngram",
+    "ssd:ssd_budget=32",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(role: str, port: int, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "specd", "serve", role, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OTEL_SDK_DISABLED="true")
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_serving(port: int, process: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"a service on port {port} exited: {process.stderr.read().decode()[-2000:]}")
+        with contextlib.suppress(grpc.RpcError):
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        time.sleep(0.2)
+    raise SystemExit(f"port {port} not serving after {timeout_s}s")
+
+
+def _flags(overrides: dict[str, str]) -> list[str]:
+    return [item for key, value in overrides.items() for item in (f"--{key.replace('_', '-')}", value)]
+
+
+def _parse_setting(text: str) -> tuple[str, dict[str, str]]:
+    mode, _, rest = text.partition(":")
+    overrides = dict(part.split("=", 1) for part in rest.split(",") if part)
+    return mode, overrides
+
+
+def measure(stub, mode: str, prompts: list[str], max_new: int, k: int, temperature: float, repeats: int) -> dict:
+    totals = dict(tokens=0, seconds=0.0, rounds=0, draft_tokens=0, accepted=0, hits=0, misses=0, wait_ms=0.0)
+    for repeat in range(repeats):
+        for i, prompt in enumerate(prompts):
+            sampling = common_pb2.SamplingParams(temperature=temperature, seed=1000 * repeat + i)
+            request = pb.GenerateRequest(
+                prompt=prompt,
+                sampling=sampling,
+                max_new_tokens=max_new,
+                ignore_eos=True,
+                speculation=pb.SpeculationParams(mode=MODES[mode], num_speculative_tokens=k),
+            )
+            started = time.perf_counter()
+            response = stub.Generate(request, timeout=300)
+            totals["seconds"] += time.perf_counter() - started
+            stats = response.stats
+            totals["tokens"] += response.usage.completion_tokens
+            totals["rounds"] += stats.rounds
+            totals["draft_tokens"] += stats.draft_tokens
+            totals["accepted"] += stats.accepted_tokens
+            totals["hits"] += stats.cache_hits
+            totals["misses"] += stats.cache_misses
+            totals["wait_ms"] += stats.draft_wait_ms
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(ROOT / "models/demo/target"))
+    parser.add_argument("--draft", default=str(ROOT / "models/demo/draft"))
+    parser.add_argument("--tiny", action="store_true", help="use the tests' tiny pair")
+    parser.add_argument("--settings", nargs="*", default=DEFAULT_SETTINGS)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-new", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    args = parser.parse_args()
+    if args.tiny:
+        from tests.tiny_models import save_pair
+
+        args.target, args.draft = save_pair(pathlib.Path(tempfile.mkdtemp(prefix="specd-measure-")))
+    target_port, draft_port = _free_port(), _free_port()
+    workers = [
+        _serve("target", target_port, "--model", args.target, "--threads", "1", "--device", "cpu"),
+        _serve("draft", draft_port, "--model", args.draft, "--threads", "1", "--device", "cpu"),
+    ]
+    try:
+        _wait_serving(target_port, workers[0])
+        _wait_serving(draft_port, workers[1])
+        print(f"target {args.target}  draft {args.draft}  K={args.k}  T={args.temperature}  max_new={args.max_new}")
+        print(f"{'setting':44s} {'tok/s':>7s} {'ms/round':>9s} {'accept_len':>10s} {'hit_rate':>8s} {'wait_ms/rd':>10s}")
+        warm = True
+        for text in args.settings:
+            mode, overrides = _parse_setting(text)
+            port = _free_port()
+            flags = ["--target-address", f"127.0.0.1:{target_port}", "--draft-address", f"127.0.0.1:{draft_port}"]
+            coordinator = _serve("coordinator", port, *flags, *_flags(overrides))
+            try:
+                _wait_serving(port, coordinator)
+                stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+                prompts = PROMPTS[: args.prompts]
+                if warm:  # the first requests pay for lazy initialisation in the workers
+                    measure(stub, mode, prompts[:2], 16, args.k, args.temperature, 1)
+                    warm = False
+                t = measure(stub, mode, prompts, args.max_new, args.k, args.temperature, args.repeats)
+            finally:
+                coordinator.terminate()
+                coordinator.wait()
+            lookups = t["hits"] + t["misses"]
+            print(
+                f"{text:44s} {t['tokens'] / t['seconds']:7.1f} {1000 * t['seconds'] / t['rounds']:9.2f} "
+                f"{t['tokens'] / t['rounds']:10.2f} {t['hits'] / lookups if lookups else 0:8.2f} "
+                f"{t['wait_ms'] / t['rounds']:10.2f}",
+                flush=True,
+            )
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.wait()
+
+
+if __name__ == "__main__":
+    main()
