@@ -153,7 +153,6 @@ class RoundSpan:
 
 
 def _fold(summary: dict, values: dict) -> None:
-    summary["rounds"] += 1
     for key in ("num_draft", "accepted", "draft_wait_ms", "verify_ms"):
         summary[key] += values.get(key, 0)
     summary["bonus"] += values.get("next_token_kind") == "bonus"
@@ -185,6 +184,7 @@ class RoundTrace:
         summary_span = self._summary_for(index)
         with trace.use_span(summary_span, end_on_exit=False):
             yield RoundSpan(summary_span, index, self._summary)
+        self._summary["rounds"] += 1
         self._summary["last_index"] = index
         if self._summary["rounds"] >= max(self._max, 1):
             self._end_summary()
