@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
                     print(
                         f"[{FINISH_REASONS.get(last.finish_reason, '')}] {last.usage.completion_tokens} tokens, "
                         f"mode {stats['mode']}, {stats['rounds']} rounds, "
-                        f"mean acceptance length {stats['mean_acceptance_length']:.2f}",
+                        f"mean acceptance length {stats['mean_acceptance_length']:.2f}"
+                        + (f", trace {last.trace_id}" if last.trace_id else ""),
                         file=sys.stderr,
                     )
         except grpc.RpcError as exc:
