@@ -122,8 +122,12 @@ async def speculate(
     num_tokens: int,
     fanout: list[int],
     saguaro: draft_pb2.SaguaroParams | None,
+    guesses: asyncio.Future,
 ) -> list[draft_pb2.SpeculationEntry]:
-    """Run Speculate and collect its stream; cancelling the task cancels the build."""
+    """Run Speculate and collect its entries; cancelling the task cancels the build.
+
+    `guesses` gets the set of (k, t*) the cache will hold as soon as the draft knows it.
+    """
     session = gen.draft_session
 
     async def call(tail):
@@ -137,8 +141,14 @@ async def speculate(
             max_support=gen.max_support,
             saguaro=saguaro,
         )
-        stream = draft._stub.Speculate(request, timeout=draft.timeout_s)
-        return [entry async for entry in stream]
+        entries = []
+        async for message in draft._stub.Speculate(request, timeout=draft.timeout_s):
+            if message.HasField("guesses"):
+                if not guesses.done():
+                    guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
+            else:
+                entries.append(message.entry)
+        return entries
 
     committed = list(gen.committed)
     return await draft._call(lambda: _synced_call(session, committed, call))
@@ -235,7 +245,8 @@ async def ssd_rounds(
                 fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
                 branches = sum(fanout)
                 saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
-                spec_task = asyncio.ensure_future(speculate(draft, gen, drafts.tokens, next_k, fanout, saguaro))
+                guesses = asyncio.get_running_loop().create_future()
+                spec_task = asyncio.ensure_future(speculate(draft, gen, drafts.tokens, next_k, fanout, saguaro, guesses))
             spec_started = time.perf_counter()
             try:
                 verify = await verify_task
@@ -251,10 +262,12 @@ async def ssd_rounds(
             if spec_task is not None:
                 waited = time.perf_counter()
                 verify_wall_ms = (waited - spec_started) * 1000.0
-                entries = await _collect(spec_task, config, verify.forward_ms, spec_started)
+                entries = await _collect(spec_task, guesses, (accepted, next_token), config, verify.forward_ms, spec_started)
                 lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
                 if isinstance(entries, DraftFailed):
                     fallback = str(entries)
+                elif entries is _KNOWN_MISS:
+                    pass  # cancelled as soon as the guesses showed a miss: no timing to learn from
                 elif entries is None:
                     tuning.observe_times(lookup_wait_ms + verify_wall_ms, 0.0, verify_wall_ms)  # gave up: too late
                 else:
@@ -292,21 +305,37 @@ async def ssd_rounds(
         index += 1
 
 
-async def _collect(spec_task: asyncio.Future, config: CoordinatorConfig, verify_ms: float, started: float):
-    """The speculation cache once built; None if the loop gives up on it, DraftFailed on failure.
+_KNOWN_MISS = object()
 
-    A JIT Propose would queue behind the build on the draft's one model thread, so with the
-    jit backup the loop always waits. With the ngram backup it waits only for a build expected
-    to end within a fraction of a verification, and otherwise cancels it (between tree steps).
+
+async def _collect(
+    spec_task: asyncio.Future,
+    guesses: asyncio.Future,
+    outcome: tuple[int, int],
+    config: CoordinatorConfig,
+    verify_ms: float,
+    started: float,
+):
+    """The speculation cache once built, or why not: _KNOWN_MISS, None (gave up), DraftFailed.
+
+    The stream names the outcomes it covers after its first forward: an outcome not among them
+    is a miss at once, and the build is cancelled (it stops between tree steps) so that the
+    backup does not wait for it. For a covered outcome, with the jit backup the loop waits for
+    the build (a Propose would queue behind it on the draft's one model thread anyway); with
+    the ngram backup it waits only while the build may still end soon, then gives up.
     """
+    if config.ssd_backup == "ngram" and config.ssd_wait_ms >= 0:
+        deadline = time.perf_counter() + config.ssd_wait_ms / 1000.0
+    else:
+        # The build was sized to end inside a verification; allow it half a verification more.
+        deadline = started + verify_ms * 1.5 / 1000.0
+    if not guesses.done():
+        await asyncio.wait({guesses, spec_task}, return_when=asyncio.FIRST_COMPLETED)
+    if guesses.done() and outcome not in guesses.result() and not spec_task.done():
+        spec_task.cancel()
+        return _KNOWN_MISS
     if not spec_task.done() and config.ssd_backup == "ngram":
-        if config.ssd_wait_ms >= 0:
-            limit_s = config.ssd_wait_ms / 1000.0
-        else:
-            # The build was sized to end inside a verification; allow it half a verification more.
-            elapsed_ms = (time.perf_counter() - started) * 1000.0
-            limit_s = max(0.0, verify_ms * 1.5 - elapsed_ms) / 1000.0
-        await asyncio.wait({spec_task}, timeout=limit_s)
+        await asyncio.wait({spec_task}, timeout=max(0.0, deadline - time.perf_counter()))
         if not spec_task.done():
             spec_task.cancel()
             return None

@@ -79,6 +79,7 @@ class DraftModelRunner:
         saguaro_c: float,
         saguaro_fanout: list[int],
         cancel: threading.Event,
+        on_guesses=None,
     ) -> SpeculationResult:
         """SSD: the speculation cache for the round verifying `draft_tokens` (see speculation.py)."""
         session = self.sessions.open(session_id, start)
@@ -96,6 +97,7 @@ class DraftModelRunner:
             saguaro_c,
             saguaro_fanout,
             cancel,
+            on_guesses,
         )
 
     def end_session(self, session_id: str) -> bool:

@@ -101,7 +101,13 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens
             )
             sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
-            result = await self._traced("spec_speculate", self._thread.run(
+            loop = asyncio.get_running_loop()
+            guesses: asyncio.Queue = asyncio.Queue()
+
+            def on_guesses(roots: list[tuple[int, int]]) -> None:  # on the model thread, after step 0
+                loop.call_soon_threadsafe(guesses.put_nowait, roots)
+
+            job = asyncio.ensure_future(self._traced("spec_speculate", self._thread.run(
                 runner.speculate,
                 request.session_id,
                 request.committed.start,
@@ -113,21 +119,36 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 request.max_support,
                 *_saguaro(request.saguaro),
                 cancel,
+                on_guesses,
             ), lambda r: {"branches": len(r.branches), "forward_ms": r.forward_ms},
-                draft_tokens=len(draft_tokens), steps=request.num_tokens + 1, fanout=fanout)
+                draft_tokens=len(draft_tokens), steps=request.num_tokens + 1, fanout=fanout))
+            first = asyncio.ensure_future(guesses.get())
+            try:
+                await asyncio.wait({job, first}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not first.done():
+                    first.cancel()
+            if first.done() and not first.cancelled():
+                roots = first.result()
+                yield draft_pb2.SpeculateResponse(
+                    guesses=draft_pb2.SpeculationGuesses(accepted=[j for j, _ in roots], next_token=[g for _, g in roots])
+                )
+            result = await job
         except (asyncio.CancelledError, SpeculationCancelled):
             cancel.set()
             raise
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
         for branch in result.branches:
-            yield draft_pb2.SpeculationEntry(
-                accepted=branch.accepted,
-                next_token=branch.next_token,
-                draft_tokens=branch.draft_tokens,
-                draft_probs=[sparse_to_proto(d) for d in branch.draft_dists],
-                forward_ms=result.forward_ms,
-                branches=len(result.branches),
+            yield draft_pb2.SpeculateResponse(
+                entry=draft_pb2.SpeculationEntry(
+                    accepted=branch.accepted,
+                    next_token=branch.next_token,
+                    draft_tokens=branch.draft_tokens,
+                    draft_probs=[sparse_to_proto(d) for d in branch.draft_dists],
+                    forward_ms=result.forward_ms,
+                    branches=len(result.branches),
+                )
             )
 
     async def EndSession(self, request, context):

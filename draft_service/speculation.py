@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -108,11 +109,13 @@ def build(
     saguaro_c: float = 1.0,
     saguaro_fanout: list[int] | None = None,
     cancel: threading.Event | None = None,
+    on_guesses: Callable[[list[tuple[int, int]]], None] | None = None,
 ) -> SpeculationResult:
     """Build the speculation cache for the round verifying `draft_tokens` after `committed`.
 
     `feed` is what Session.sync left to feed (ends with the last committed token). Leaves the
-    session caching committed + d_1..d_K. fanout: F_0..F_K (len K+1).
+    session caching committed + d_1..d_K. fanout: F_0..F_K (len K+1). `on_guesses` gets the
+    branches' (k, t*) right after step 0; `cancel` stops the build between steps.
     """
     assert len(fanout) == len(draft_tokens) + 1, (fanout, draft_tokens)
     saguaro_fanout = saguaro_fanout or []
@@ -121,6 +124,8 @@ def build(
     logits, _ = forward_logits(model, session.cache, feed + draft_tokens, num_draft + 1)  # [K+1, V]
     session.extend(feed + draft_tokens)
     roots = _guesses(logits, draft_tokens, fanout)
+    if on_guesses is not None:
+        on_guesses(roots)  # the caller can tell a miss now, K' tree steps before the entries
     if not roots or num_tokens == 0 or not _croppable(session.cache):
         # Sliding-window caches cannot drop the tree afterwards: no branches for them.
         return SpeculationResult([], (time.perf_counter() - started) * 1000.0)

@@ -81,7 +81,14 @@ def _wait_serving(port: int, process: subprocess.Popen, timeout_s: float = 300.0
 
 
 def _flags(overrides: dict[str, str]) -> list[str]:
-    return [item for key, value in overrides.items() for item in (f"--{key.replace('_', '-')}", value)]
+    flags = []
+    for key, value in overrides.items():
+        name = key.replace("_", "-")
+        if value.lower() in ("true", "false"):  # booleans are --name / --no-name
+            flags.append(f"--{name}" if value.lower() == "true" else f"--no-{name}")
+        else:
+            flags += [f"--{name}", value]
+    return flags
 
 
 def _parse_setting(text: str) -> tuple[str, dict[str, str]]:

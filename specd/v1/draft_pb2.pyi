@@ -67,6 +67,22 @@ class SpeculateRequest(_message.Message):
     saguaro: SaguaroParams
     def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[_common_pb2.CommittedTokens, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fanout: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support: _Optional[int] = ..., saguaro: _Optional[_Union[SaguaroParams, _Mapping]] = ...) -> None: ...
 
+class SpeculateResponse(_message.Message):
+    __slots__ = ("guesses", "entry")
+    GUESSES_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    guesses: SpeculationGuesses
+    entry: SpeculationEntry
+    def __init__(self, guesses: _Optional[_Union[SpeculationGuesses, _Mapping]] = ..., entry: _Optional[_Union[SpeculationEntry, _Mapping]] = ...) -> None: ...
+
+class SpeculationGuesses(_message.Message):
+    __slots__ = ("accepted", "next_token")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    next_token: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SpeculationEntry(_message.Message):
     __slots__ = ("accepted", "next_token", "draft_tokens", "draft_probs", "forward_ms", "branches")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]

@@ -48,7 +48,7 @@ class DraftWorkerStub:
         self.Speculate = channel.unary_stream(
                 '/specd.v1.DraftWorker/Speculate',
                 request_serializer=specd_dot_v1_dot_draft__pb2.SpeculateRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_draft__pb2.SpeculationEntry.FromString,
+                response_deserializer=specd_dot_v1_dot_draft__pb2.SpeculateResponse.FromString,
                 _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specd.v1.DraftWorker/EndSession',
@@ -81,8 +81,8 @@ class DraftWorkerServicer:
 
     def Speculate(self, request, context):
         """SSD: while the target verifies d_1..d_K, predict its outcomes (k, t*) and draft K' tokens
-        after each; one entry per branch, streamed once the tree is built. Cancelling the call
-        stops the build between steps.
+        after each. The stream opens with the outcomes covered (known after one forward), then one
+        entry per branch once the tree is built. Cancelling the call stops the build between steps.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,7 +116,7 @@ def add_DraftWorkerServicer_to_server(servicer, server):
             'Speculate': grpc.unary_stream_rpc_method_handler(
                     servicer.Speculate,
                     request_deserializer=specd_dot_v1_dot_draft__pb2.SpeculateRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_draft__pb2.SpeculationEntry.SerializeToString,
+                    response_serializer=specd_dot_v1_dot_draft__pb2.SpeculateResponse.SerializeToString,
             ),
             'EndSession': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSession,
@@ -210,7 +210,7 @@ class DraftWorker:
             target,
             '/specd.v1.DraftWorker/Speculate',
             specd_dot_v1_dot_draft__pb2.SpeculateRequest.SerializeToString,
-            specd_dot_v1_dot_draft__pb2.SpeculationEntry.FromString,
+            specd_dot_v1_dot_draft__pb2.SpeculateResponse.FromString,
             options,
             channel_credentials,
             insecure,

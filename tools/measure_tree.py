@@ -1,0 +1,85 @@
+"""Cost of one speculation-tree step on CPU: B branch tokens over a shared prefix (4-D mask)
+against a one-token draft step and against copying the prefix KV cache per branch.
+
+    python tools/measure_tree.py [--model models/demo/draft] [--threads 1] [--context 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from draft_service.speculation import _tree_mask  # noqa: E402
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000.0)
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def main() -> None:
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="a draft folder; default: a random 128x2 Llama, vocab 4096")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    else:
+        config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048)
+        model = LlamaForCausalLM(config).eval()
+    vocab = model.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, args.context))
+    cache = DynamicCache()
+    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    length = cache.get_seq_length()
+
+    def one_token():
+        model(input_ids=torch.tensor([[1]]), past_key_values=cache, use_cache=True)
+        cache.crop(-1)
+
+    base = _timed(one_token, args.repeats)
+    print(f"one-token draft step, context {args.context}: {base:.2f} ms")
+    for branches in (4, 8, 16, 24, 32):
+        offsets = torch.randint(0, 4, (branches,))
+        mask = _tree_mask(length - 4 + offsets, length, 1, torch.float32)  # [1, 1, B, L + B]
+        position_ids = (length - 4 + offsets).unsqueeze(0)  # [1, B]
+
+        def tree_step():
+            model(input_ids=torch.ones(1, branches, dtype=torch.long), attention_mask=mask,
+                  position_ids=position_ids, past_key_values=cache, use_cache=True)
+            cache.crop(-branches)
+
+        def copied_step():
+            # The alternative: B copies of the prefix cache, one token each, as a batch of B.
+            batched = copy.deepcopy(cache)
+            batched.batch_repeat_interleave(branches)
+            model(input_ids=torch.ones(branches, 1, dtype=torch.long), past_key_values=batched, use_cache=True)
+
+        tree = _timed(tree_step, args.repeats)
+        copied = _timed(copied_step, args.repeats)
+        print(f"B={branches:2d}: tree step {tree:6.2f} ms ({tree / base:4.2f}x one token)   "
+              f"copied-prefix batch {copied:6.2f} ms ({copied / base:4.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
