@@ -1,0 +1,47 @@
+"""SSD's zero-cost backup (coordinator/backup.py): prompt lookup, and the exactness of its one-hot q.
+
+The chi-square test runs 100k rounds at alpha = 1e-3 with a fixed seed (deterministic).
+"""
+
+from __future__ import annotations
+
+import scipy.stats
+import torch
+
+from coordinator.backup import one_hot, prompt_lookup
+from specd.sampling import SamplingSettings, logits_to_probs, sparse_to_dense
+from specd.verify import rejection_sample
+
+ROUNDS = 100_000
+
+
+def test_prompt_lookup_continues_the_latest_match_of_the_longest_suffix():
+    assert prompt_lookup([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert prompt_lookup([9, 2, 5, 8, 2, 5, 7, 2, 5], 2) == [7, 2]  # the latest "2 5" wins
+    assert prompt_lookup([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 1) == [9]  # "1 2 3" beats "2 3"
+    assert prompt_lookup([1, 2, 3], 2) == []
+    assert prompt_lookup([5], 2) == []
+    assert prompt_lookup([7, 7], 3) == [7]
+    assert prompt_lookup([1, 2, 1, 2], 0) == []
+
+
+def test_one_hot_guess_is_exact_at_temperature_one():
+    """A guessed token with q = one-hot: accepted with probability p(x), else t* ~ p without x."""
+    vocab = 16
+    generator = torch.Generator().manual_seed(4)
+    target_row = logits_to_probs(torch.randn(vocab, generator=generator) * 1.5, SamplingSettings(temperature=1.0, top_p=0.9))
+    guess = int(torch.argmax(target_row))
+    draft_dense = sparse_to_dense(one_hot([guess]), vocab)  # [1, V]
+    result = rejection_sample(
+        target_row.expand(ROUNDS, 2, vocab),
+        draft_dense.expand(ROUNDS, 1, vocab),
+        torch.full((ROUNDS, 1), guess),
+        torch.rand(ROUNDS, 1, dtype=torch.float64, generator=generator),
+        torch.rand(ROUNDS, 2, dtype=torch.float64, generator=generator),
+    )
+    emitted = torch.where(result.accepted > 0, torch.tensor(guess), result.next_token)  # [R]
+    counts = torch.bincount(emitted, minlength=vocab).double()
+    support = target_row > 0
+    assert counts[~support].sum() == 0
+    expected = target_row[support].double() * ROUNDS
+    assert scipy.stats.chisquare(counts[support].tolist(), (expected * counts.sum() / expected.sum()).tolist()).pvalue > 1e-3
