@@ -92,3 +92,41 @@ def test_served_stack_exports_the_whole_trace(tiny_pair, tmp_path):
     assert main(["trace", trace_id, "--spans", str(receiver.path), "-o", str(output)]) == 0
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert trace_spans(load_spans(receiver.path), None)[0]["trace_id"] == trace_id  # latest request by default
+
+
+def test_reads_otlp_json_exports(tmp_path):
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+    from opentelemetry.proto.common.v1 import common_pb2
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    from specd.trace_store import spans_from_request
+
+    def kv(key, **value):
+        return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(**value))
+
+    trace_id, root_id = bytes(range(16)), bytes(range(8))
+    root = trace_pb2.Span(trace_id=trace_id, span_id=root_id, name="llm_request", kind=trace_pb2.Span.SPAN_KIND_SERVER,
+                          start_time_unix_nano=1_000_000, end_time_unix_nano=9_000_000,
+                          attributes=[kv("gen_ai.usage.output_tokens", int_value=5)])
+    round_span = trace_pb2.Span(trace_id=trace_id, span_id=bytes(range(1, 9)), parent_span_id=root_id, name="spec_round",
+                                start_time_unix_nano=2_000_000, end_time_unix_nano=4_000_000,
+                                attributes=[kv("specd.round.index", int_value=0), kv("specd.round.cache", string_value="hit")])
+    request = trace_service_pb2.ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(
+        resource={"attributes": [kv("service.name", string_value="specd-coordinator")]},
+        scope_spans=[trace_pb2.ScopeSpans(spans=[root, round_span])],
+    )])
+    expected = spans_from_request(request)
+    as_protobuf_json = json_format.MessageToJson(request)  # ids in base64
+    document = json_format.MessageToDict(request)  # OTLP/JSON proper: ids in hex
+    for span, proto_span in zip(document["resourceSpans"][0]["scopeSpans"][0]["spans"], (root, round_span)):
+        span["traceId"], span["spanId"] = proto_span.trace_id.hex(), proto_span.span_id.hex()
+        if proto_span.parent_span_id:
+            span["parentSpanId"] = proto_span.parent_span_id.hex()
+    for i, text in enumerate((as_protobuf_json, json.dumps(document))):
+        path = tmp_path / f"export{i}.json"
+        path.write_text(text)
+        assert load_spans(path) == expected
+    output = tmp_path / "t.png"
+    assert main(["trace", str(tmp_path / "export1.json"), "-o", str(output)]) == 0
+    assert output.read_bytes()[:4] == b"\x89PNG"
