@@ -60,8 +60,16 @@ async def _synced_call(session: WorkerSession, committed: list[int], call: Calla
     return response
 
 
+# gRPC's default reconnect back-off grows to 120 s: a worker back after a long outage would be
+# refused (UNAVAILABLE without a connection attempt) for up to two minutes. Keep retrying every second.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def _channel(address: str, interceptors: list | None) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS, interceptors=interceptors)
 
 
 class TargetLink:
