@@ -71,9 +71,9 @@ class ServiceStack:
         self.coordinator = self.run(self._start_coordinator())
         return self
 
-    async def _start_target(self):
+    async def _start_target(self, port: int = 0):
         servicers: list = []
-        config = TargetConfig(model=self.target_model, host="127.0.0.1", port=0, metrics_port=-1, device="cpu")
+        config = TargetConfig(model=self.target_model, host="127.0.0.1", port=port, metrics_port=-1, device="cpu")
         with _recording_servicer(target_service.server, "TargetServicer", servicers):
             service = await start_target(
                 dataclasses.replace(config, **self.target_overrides), tracer_provider=self.tracer_providers.get("target")
@@ -124,6 +124,13 @@ class ServiceStack:
     def restart_draft(self) -> None:
         """A fresh draft worker on the same port: every session it held is gone."""
         self.draft = self.run(self._start_draft(port=self.draft.port))
+
+    def stop_target(self) -> None:
+        self.run(self.target.stop(0))
+
+    def restart_target(self) -> None:
+        """A fresh target worker on the same port: every session it held is gone."""
+        self.target = self.run(self._start_target(port=self.target.port))
 
     def close(self) -> None:
         for service in (self.coordinator, self.draft, self.target):

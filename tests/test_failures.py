@@ -77,11 +77,17 @@ def test_draft_down_falls_back_to_target_only_then_recovers(stack, reference):
     assert not info.draft_available and info.draft_model == ""
 
     stack.restart_draft()
-    deadline = time.monotonic() + 5.0  # the coordinator retries the draft after draft_retry_s = 0.2 s
+    # The coordinator retries the draft after draft_retry_s = 0.2 s (and the channel's reconnect
+    # back-off), so the first requests may still run some or all rounds target-only, saying why;
+    # soon a request speculates in every round again.
+    deadline = time.monotonic() + 5.0
     while True:
         response = stub.Generate(request(ids, mode=pb.SPECULATION_MODE_SD, max_new_tokens=32), timeout=CALL_TIMEOUT_S)
         assert list(response.token_ids) == list(off.token_ids)
-        if response.stats.mode == pb.SPECULATION_MODE_SD or time.monotonic() > deadline:
+        if response.stats.mode != pb.SPECULATION_MODE_SD:
+            assert response.stats.fallback_reason
+        clean = response.stats.mode == pb.SPECULATION_MODE_SD and not response.stats.fallback_reason
+        if clean or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert response.stats.mode == pb.SPECULATION_MODE_SD, response.stats
@@ -276,3 +282,35 @@ def test_client_deadline_frees_sessions(stack, reference):
     assert gate.held.is_set()
     gate.release()
     assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_worker_back_after_an_outage_is_used_within_seconds(stack, reference, worker):
+    """After a long outage a restarted worker is used again within about a second, whatever
+    back-off the coordinator's channel built up while it was away (gRPC's default grows to 120 s)."""
+    _, ids, greedy = reference
+    stub = stack.stub()
+    message = request(ids, mode=pb.SPECULATION_MODE_SD, max_new_tokens=8)
+    getattr(stack, f"stop_{worker}")()
+    outage_until = time.monotonic() + 5.5  # long enough for several growing reconnect back-offs
+    while time.monotonic() < outage_until:
+        started = time.monotonic()
+        try:
+            response = stub.Generate(message, timeout=HANG_DEADLINE_S)
+            assert worker == "draft" and response.stats.mode == pb.SPECULATION_MODE_OFF
+        except grpc.RpcError as error:
+            assert worker == "target" and error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert time.monotonic() - started < UNAVAILABLE_WITHIN_S
+        time.sleep(0.2)
+    getattr(stack, f"restart_{worker}")()
+    back = time.monotonic()
+    while True:
+        try:
+            response = stub.Generate(message, timeout=HANG_DEADLINE_S)
+            if response.stats.mode == pb.SPECULATION_MODE_SD and not response.stats.fallback_reason:
+                break
+        except grpc.RpcError as error:
+            assert worker == "target" and error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert time.monotonic() - back < 2.5, f"the restarted {worker} is not used {time.monotonic() - back:.1f} s later"
+        time.sleep(0.05)
+    assert list(response.token_ids) == greedy[:8]
