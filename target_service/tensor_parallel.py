@@ -30,6 +30,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -128,7 +129,11 @@ def _launch_peers(config: TargetConfig) -> _Job:
             os.environ,
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            **{CONFIG_ENV: json.dumps(dataclasses.asdict(config)), PARENT_ENV: str(os.getpid())},
+            **{
+                CONFIG_ENV: json.dumps(dataclasses.asdict(config)),
+                PARENT_ENV: str(os.getpid()),
+                "SPECD_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            },
         )
         child = subprocess.Popen([sys.executable, "-m", "target_service.tensor_parallel"], env=env)
         log.info("launched tensor-parallel rank %d as process %d", rank, child.pid)
@@ -397,11 +402,13 @@ async def serve(config: TargetConfig) -> None:
     try:
         serving.result()
     finally:
-        if job.runner is not None:
+        if job.runner is None:
+            job.kill_children()  # never loaded: they wait for rank 0 in rendezvous or loading
+        else:
             await asyncio.to_thread(job.runner.shutdown)
         for child in job.children:
             try:
-                child.wait(timeout=10)
+                await asyncio.to_thread(child.wait, 10)
             except subprocess.TimeoutExpired:
                 child.kill()
 
@@ -419,6 +426,7 @@ def main() -> int:
     )
     config = TargetConfig(**json.loads(os.environ[CONFIG_ENV]))
     if PARENT_ENV in os.environ:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which tells this rank to stop
         _exit_with_parent(int(os.environ[PARENT_ENV]))
     return _run_follower(config, _Job(rank=rank, world_size=world, local_rank=local_rank))
 

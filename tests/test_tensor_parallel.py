@@ -145,6 +145,20 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
             assert err <= RTOL * float(want.abs().max()), f"rank {rank}, forward {i}: max |diff| {err:.3g}"
 
 
+def test_settings_are_checked(monkeypatch):
+    import asyncio
+
+    from specd.config import ConfigError
+    from target_service import tensor_parallel
+
+    with pytest.raises(ConfigError, match="tp-heartbeat-s"):
+        TargetConfig(tensor_parallel=2, tp_timeout_s=5, tp_heartbeat_s=5).validate()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=3 but --tensor-parallel 2"):
+        asyncio.run(tensor_parallel.serve(TargetConfig(tensor_parallel=2)))
+
+
 # ---------------------------------------------------------------- served: specd serve target --tensor-parallel 2
 
 
