@@ -95,17 +95,18 @@ def test_draft_down_falls_back_to_target_only_then_recovers(stack, reference):
     assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=CALL_TIMEOUT_S).draft_available
 
 
-class _VerifyGate:
-    """Holds the target's next Verify on its model thread until released: a fixed point mid-request."""
+class _Gate:
+    """Holds a worker runner's next `name` call on its model thread until released: a fixed point mid-request."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, name: str):
         self._runner = runner
-        self._original = runner.verify
+        self._name = name
+        self._original = getattr(runner, name)
         self.held = threading.Event()
         self._release = threading.Event()
-        runner.verify = self._verify  # the servicer looks runner.verify up on every call
+        setattr(runner, name, self._call)  # the servicer looks the method up on every call
 
-    def _verify(self, *args, **kwargs):
+    def _call(self, *args, **kwargs):
         if not self._release.is_set():
             self.held.set()
             self._release.wait(CALL_TIMEOUT_S)
@@ -113,7 +114,11 @@ class _VerifyGate:
 
     def release(self) -> None:
         self._release.set()
-        self._runner.verify = self._original
+        setattr(self._runner, self._name, self._original)
+
+
+def _VerifyGate(runner) -> _Gate:
+    return _Gate(runner, "verify")
 
 
 def _count_calls(runner, name: str) -> list[int]:
@@ -170,6 +175,28 @@ def test_lost_target_session_mid_request_is_resent(stack, reference):
     tokens = [t for m in messages for t in m.token_ids]
     assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:200])
     assert prefills[0] == 0  # the resend rides on Verify itself, from position 0
+
+
+def test_target_restart_between_rounds_keeps_the_result_exact(stack, reference):
+    """The target restarts (losing every session) while the draft proposes: no call is cut,
+    so the request goes on, resending its history to the fresh target, with the same tokens."""
+    model, ids, greedy = reference
+    stub = stack.stub()
+    call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
+    messages = [next(call)]
+    gate = _Gate(stack.draft.servicer.runner, "propose")
+    assert gate.held.wait(5.0)
+    old_target = stack.target
+    stack.stop_target()
+    stack.restart_target()
+    assert stack.target is not old_target and _sessions(stack.target) == 0
+    verifies = _count_calls(stack.target.servicer.runner, "verify")
+    gate.release()
+    messages.extend(call)
+    tokens = [t for m in messages for t in m.token_ids]
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:200])
+    assert verifies[0] > 0
 
 
 def test_target_unreachable_at_start_is_unavailable_quickly(tiny_pair):
