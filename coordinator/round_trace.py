@@ -25,9 +25,11 @@ Nothing here costs more than a few attribute checks when spans are not recorded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Iterator
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
@@ -54,11 +56,13 @@ def llm_request(tracer: trace.Tracer, grpc_context, method: str) -> Iterator[tra
         try:
             yield span
         except BaseException as exc:
-            code = grpc_context.code()
             if span.is_recording():
+                code, details = grpc_context.code(), grpc_context.details()
+                if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                    code, details = grpc.StatusCode.CANCELLED, "the caller cancelled the call"
                 if code is not None:
                     span.set_attribute("rpc.grpc.status_code", code.value[0])
-                span.set_status(Status(StatusCode.ERROR, grpc_context.details() or f"{type(exc).__name__}: {exc}"))
+                span.set_status(Status(StatusCode.ERROR, details or f"{type(exc).__name__}: {exc}"))
             raise
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
+import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from specd import telemetry
 from specd.v1 import coordinator_pb2 as pb
@@ -143,6 +146,21 @@ def test_caller_traceparent_and_stream_trace_ids(traced):
     messages = list(stack.stub().GenerateStream(_request(6), timeout=CALL_TIMEOUT_S))
     ids = {m.trace_id for m in messages}
     assert len(messages) >= 2 and len(ids) == 1 and re.fullmatch(r"[0-9a-f]{32}", ids.pop())
+
+
+def test_a_refused_request_is_an_error_span_with_its_status(traced):
+    stack, exporters = traced
+    exporters["coordinator"].clear()
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.stub().Generate(pb.GenerateRequest(prompt=""), timeout=CALL_TIMEOUT_S)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    deadline = time.monotonic() + 5  # the status may reach the caller before the span ends
+    while not (roots := [s for s in exporters["coordinator"].get_finished_spans() if s.name == "llm_request"]):
+        assert time.monotonic() < deadline, "no llm_request span"
+        time.sleep(0.05)
+    (root,) = roots
+    assert root.status.status_code == StatusCode.ERROR and "prompt" in root.status.description
+    assert root.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 def test_rounds_past_the_cap_fold_into_summary_spans(traced):
