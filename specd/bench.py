@@ -69,11 +69,14 @@ class HFAssisted:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        transformers.logging.set_verbosity_error()  # generate() warns about min_new_tokens on every call
+        transformers.logging.set_verbosity_error()  # generate() warns about its defaults on every call
         torch.set_num_threads(threads)
         self.tokenizer = AutoTokenizer.from_pretrained(target_path)
         self.target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
         self.draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+        # Run on past EOS as ignore_eos does; min_new_tokens would mask EOS and change the tokens.
+        for model in (self.target, self.draft):
+            model.generation_config.eos_token_id = None
 
     def run(self, prompts: list[str], max_new_tokens: int) -> ModeRun:
         import torch
@@ -86,9 +89,10 @@ class HFAssisted:
                 out = self.target.generate(
                     ids,
                     assistant_model=self.draft,
+                    attention_mask=torch.ones_like(ids),
                     max_new_tokens=max_new_tokens,
-                    min_new_tokens=max_new_tokens,  # like ignore_eos: every run emits the same count
                     do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id or 0,
                 )
             run.seconds += time.perf_counter() - started
             new = out[0, ids.shape[1] :].tolist()
