@@ -9,7 +9,7 @@ What the environment decides:
 - An exporter is configured when OTEL_TRACES_EXPORTER names one (otlp, console; "none" for
   none) or, when it is unset, when OTEL_EXPORTER_OTLP_ENDPOINT or
   OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (then otlp). OTEL_EXPORTER_OTLP_PROTOCOL picks
-  grpc (default) or http/protobuf (needs opentelemetry-exporter-otlp-proto-http).
+  grpc (default) or http/protobuf.
 - With no exporter the sampler is always_off: spans are not recorded (near-zero cost) but
   every request still gets a real trace id, which callers can log and correlate. With an
   exporter, OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG apply (default parentbased_always_on).
@@ -64,13 +64,7 @@ def _exporter(name: str, environ: Mapping[str, str] = os.environ):
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     elif protocol == "http/protobuf":
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            raise ConfigError(
-                "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf needs opentelemetry-exporter-otlp-proto-http; "
-                "install it or use grpc"
-            ) from None
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
         raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use grpc or http/protobuf")
     return OTLPSpanExporter()  # endpoint, headers, timeout, insecure: from the standard env vars
