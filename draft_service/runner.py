@@ -6,7 +6,7 @@ import dataclasses
 
 import threading
 
-from draft_service.speculation import SpeculationResult, build, draft_distribution, sample_draft_token
+from draft_service.speculation import SpeculationResult, build, draft_distributions, sample_draft_token
 from specd.forward import forward_logits
 from specd.models import LoadedModel
 from specd.sampling import SamplingSettings, SparseDist
@@ -59,7 +59,7 @@ class DraftModelRunner:
             session.extend(feed)
             total_ms += forward_ms
             saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
-            dist = draft_distribution(logits[0], sampling, support, saguaro_c, saguaro_f)
+            dist = draft_distributions(logits, sampling, support, saguaro_c, saguaro_f)[0]
             token = sample_draft_token(dist, sampling, len(committed) + i)
             draft_tokens.append(token)
             dists.append(dist)

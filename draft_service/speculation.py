@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from specd.saguaro import reshape
-from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, logits_to_probs, sample_sparse, truncate_to_top
+from specd.saguaro import reshape_sorted
+from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
 from specd.session_cache import Session, _croppable
 from specd.forward import forward_logits
 
@@ -46,15 +46,49 @@ class SpeculationResult:
     forward_ms: float  # step 0 plus the K' tree steps
 
 
-def draft_distribution(logits: torch.Tensor, sampling: SamplingSettings, max_support: int, saguaro_c: float, saguaro_f: int) -> SparseDist:
-    """The q a draft token is sampled from: processed like the target's, top-N, Saguaro-reshaped.
+def draft_distributions(
+    logits: torch.Tensor, sampling: SamplingSettings, max_support: int, saguaro_c: float, saguaro_f: int
+) -> list[SparseDist]:
+    """The q each row's draft token is sampled from: processed like the target's logits, cut to
+    the top-N tokens and renormalised, then Saguaro-reshaped. One batched computation for all
+    branches of a tree step (per-row Python here cost more than the step's forward).
 
-    logits: [V]. Greedy: the one-hot of the argmax (Saguaro has no effect at temperature 0).
+    logits: [R, V]. Greedy: the one-hot of each argmax (Saguaro has no effect at temperature 0).
     """
     if sampling.greedy:
-        return SparseDist(token_ids=[int(logits.argmax())], probs=[1.0])
-    dist = truncate_to_top(logits_to_probs(logits, sampling), max_support)
-    return reshape(dist, saguaro_f, saguaro_c)
+        return [SparseDist(token_ids=[t], probs=[1.0]) for t in logits.argmax(-1).tolist()]
+    values, indices = _top_probs(logits, sampling, max_support)  # sorted: [R, N]
+    kept = reshape_sorted(values / values.sum(-1, keepdim=True), saguaro_f, saguaro_c)  # [R, N]
+    dists = []
+    for ids, values in zip(indices.tolist(), kept.tolist()):
+        count = sum(1 for v in values if v > 0) if values[-1] <= 0 else len(values)
+        dists.append(SparseDist(token_ids=ids[:count], probs=values[:count]))
+    return dists
+
+
+def _top_probs(logits: torch.Tensor, sampling: SamplingSettings, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-N tokens' probabilities after temperature, top-k and top-p, unnormalised.
+
+    logits: [R, V] -> (probs [R, N], ids [R, N]), sorted by falling probability. Only the top N
+    survive truncation, so top-p is applied from the top down within them (the mass before a
+    token must stay below top_p) instead of sorting the whole vocabulary: the same tokens as
+    logits_to_probs up to float ties, several times faster at V = 4096.
+    """
+    scores = logits.float() / sampling.temperature  # [R, V]
+    vocab = scores.shape[-1]
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab else vocab
+    count = min(max_support, top_k)
+    if top_k < vocab:
+        pool = torch.topk(scores, top_k).values  # [R, top_k]: the softmax's support
+        log_norm = torch.logsumexp(pool, -1, keepdim=True)  # [R, 1]
+    else:
+        log_norm = torch.logsumexp(scores, -1, keepdim=True)  # [R, 1]
+    top = torch.topk(scores, count)  # [R, N]
+    probs = (top.values - log_norm).exp()  # [R, N]
+    if sampling.top_p < 1.0:
+        before = probs.cumsum(-1) - probs  # [R, N]: mass of the more likely tokens
+        probs = probs.masked_fill(before >= sampling.top_p, 0.0)
+    return probs, top.indices
 
 
 def sample_draft_token(dist: SparseDist, sampling: SamplingSettings, position: int) -> int:
@@ -156,8 +190,9 @@ def build(
             step_logits = output.logits[0].float().cpu()  # [B, V]
             saguaro_f = saguaro_fanout[step - 1] if step - 1 < len(saguaro_fanout) else 0
             tokens = []
+            dists = draft_distributions(step_logits, sampling, max_support, saguaro_c, saguaro_f)
             for b, (j, _) in enumerate(roots):
-                dist = draft_distribution(step_logits[b], sampling, max_support, saguaro_c, saguaro_f)
+                dist = dists[b]
                 token = sample_draft_token(dist, sampling, n + j + step)
                 branch_tokens[b].append(token)
                 branch_dists[b].append(dist)

@@ -10,6 +10,8 @@ verifier (any q is exact for the ratio test). At temperature 0, q is one-hot and
 
 from __future__ import annotations
 
+import torch
+
 from specd.sampling import SparseDist
 
 
@@ -29,3 +31,18 @@ def reshape(dist: SparseDist, top_f: int, c: float) -> SparseDist:
     if total <= 0.0:
         return dist
     return SparseDist(token_ids=list(dist.token_ids), probs=[w / total for w in weighted])
+
+
+def reshape_sorted(probs: torch.Tensor, top_f: int, c: float) -> torch.Tensor:
+    """`reshape` for a batch of distributions whose columns are sorted by falling probability.
+
+    probs: [R, N], each row summing to 1 (zeros allowed at the end) -> q' [R, N]. A row whose
+    reshaped mass would vanish is returned unchanged, as `reshape` does.
+    """
+    assert 0.0 <= c <= 1.0, c
+    if c == 1.0 or top_f <= 0:
+        return probs
+    weighted = probs.clone()
+    weighted[:, :top_f] *= c  # [R, N]
+    total = weighted.sum(-1, keepdim=True)  # [R, 1]
+    return torch.where(total > 0, weighted / total.clamp(min=torch.finfo(probs.dtype).tiny), probs)

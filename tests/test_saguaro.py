@@ -121,3 +121,17 @@ def test_saguaro_without_sending_q_prime_is_detected():
     )
     emitted = torch.where(result.accepted > 0, draft_tokens[:, 0], result.next_token)
     assert _chisquare_pvalue(torch.bincount(emitted, minlength=vocab), target_row) < ALPHA
+
+
+def test_batched_reshape_equals_reshape():
+    from specd.saguaro import reshape_sorted
+
+    generator = torch.Generator().manual_seed(8)
+    probs = torch.rand(5, 10, generator=generator).sort(-1, descending=True).values  # [R, N]
+    probs[3, 4:] = 0.0  # a short support
+    probs = probs / probs.sum(-1, keepdim=True)
+    for top_f, c in ((2, 0.5), (3, 0.0), (4, 0.25), (0, 0.1)):
+        batched = reshape_sorted(probs, top_f, c)
+        for row in range(probs.shape[0]):
+            want = reshape(SparseDist(list(range(10)), probs[row].tolist()), top_f, c).probs
+            assert batched[row].tolist() == pytest.approx(want, abs=1e-6)

@@ -107,3 +107,24 @@ def test_saguaro_reshapes_the_branch_distributions(runner):
         top = q.probs[:3]
         ratio = q_prime.probs[5] / q.probs[5]  # off the top 3: scaled up by the renormalisation
         assert q_prime.probs[:3] == pytest.approx([p * 0.25 * ratio for p in top], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        SamplingSettings(temperature=1.0),
+        SamplingSettings(temperature=0.7, top_p=0.9),
+        SamplingSettings(temperature=1.3, top_k=20, top_p=0.8),
+        SamplingSettings(temperature=1.0, top_k=200),
+    ],
+)
+def test_batched_draft_distributions_equal_the_reference_processing(settings):
+    """The draft's batched top-N q equals the target's processing followed by truncate_to_top."""
+    from draft_service.speculation import draft_distributions
+    from specd.sampling import logits_to_probs, truncate_to_top
+
+    logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(2)) * 3  # [R, V]
+    for row, dist in enumerate(draft_distributions(logits, settings, 64, 1.0, 0)):
+        want = truncate_to_top(logits_to_probs(logits[row], settings), 64)
+        assert dist.token_ids == want.token_ids
+        assert dist.probs == pytest.approx(want.probs, abs=1e-6)
