@@ -286,12 +286,13 @@ class TensorParallelTargetRunner:
         with self._lock:
             if self._closed:
                 return
-            if not self._job.failed.is_set():
-                try:
-                    self._send(_SHUTDOWN, ())
-                except Unavailable:
-                    pass
             self._closed = True
+            if self._job.failed.is_set():
+                return
+            try:
+                dist.broadcast_object_list([(_SHUTDOWN, ())], src=0, group=self._job.command_group)
+            except Exception as exc:  # noqa: BLE001 - stopping anyway; a signal may have reached them first
+                log.info("the other ranks had already stopped (%s)", type(exc).__name__)
 
 
 # ---------------------------------------------------------------- ranks > 0
@@ -426,7 +427,11 @@ def main() -> int:
     )
     config = TargetConfig(**json.loads(os.environ[CONFIG_ENV]))
     if PARENT_ENV in os.environ:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which tells this rank to stop
+        # Rank 0 owns this rank's life: it broadcasts the stop, and its exit ends this rank (see
+        # _exit_with_parent). A Ctrl-C or a SIGTERM sent to the whole process group must not end
+        # this rank first, or rank 0 would take its graceful stop for a failed rank.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _exit_with_parent(int(os.environ[PARENT_ENV]))
     return _run_follower(config, _Job(rank=rank, world_size=world, local_rank=local_rank))
 
