@@ -66,10 +66,17 @@ _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# A worker whose node vanishes sends no RST: pings notice a dead connection in ~30 s even
+# between calls, instead of waiting for a call's deadline or the kernel's TCP timeout.
+_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 def _channel(address: str, interceptors: list | None) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS + _KEEPALIVE_OPTIONS, interceptors=interceptors)
 
 
 class TargetLink:

@@ -23,6 +23,13 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
+# Servers accept the coordinator's keepalive pings (every 20 s, also between calls) instead of
+# answering them with GOAWAY "too_many_pings".
+SERVER_OPTIONS = GRPC_OPTIONS + [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 class ModelThread:
@@ -110,7 +117,7 @@ def create_server(
     interceptors: list | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthState]:
     """A grpc.aio server with the given servicers, health and reflection; returns the bound port."""
-    server = grpc.aio.server(interceptors=interceptors or [], options=GRPC_OPTIONS)
+    server = grpc.aio.server(interceptors=interceptors or [], options=SERVER_OPTIONS)
     register(server)
     health_state = HealthState(service_full_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
