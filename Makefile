@@ -34,6 +34,9 @@ bench: setup
 
 # Render every overlay and validate it strictly, offline.
 deploy-check: setup
+	for k in deploy/k8s/base deploy/k8s/overlays/*; do \
+	  PATH=$(VENV)/bin:$$PATH kubectl kustomize "$$k" | $(VENV)/bin/kubernetes-validate --strict -k 1.37.0 - || exit 1; \
+	done
 	$(PY) -m pytest -q tests/test_deploy.py
 
 clean:
