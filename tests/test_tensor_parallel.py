@@ -90,7 +90,7 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
         runner = tp.load_tensor_parallel_runner(config)
         _runner_script(runner)
         runner.shutdown()
-        sessions = runner.sessions
+        sessions, model = runner.sessions, runner.loaded.model
     else:
         captured = {}
         original = tp._load_local_runner
@@ -101,9 +101,11 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
 
         tp._load_local_runner = keep
         tp.follow(config, job)
-        sessions = captured["runner"].sessions
+        sessions, model = captured["runner"].sessions, captured["runner"].loaded.model
     state = {sid: list(s.cached_tokens) for sid, s in sessions._sessions.items()}
-    torch.save({"logits": recorded, "sessions": state}, pathlib.Path(out_dir) / f"rank{rank}.pt")
+    attention = model.model.layers[0].self_attn
+    shards = {name: tuple(getattr(attention, name).weight.to_local().shape) for name in ("q_proj", "k_proj", "o_proj")}
+    torch.save({"logits": recorded, "sessions": state, "shards": shards}, pathlib.Path(out_dir) / f"rank{rank}.pt")
 
 
 def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, monkeypatch):
@@ -137,6 +139,8 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert len(single_logits) == 8
     for rank, result in enumerate(ranks):
+        # hidden 64, 4 heads of 16, 2 KV heads: each rank holds half the heads (q, k colwise; o rowwise)
+        assert result["shards"] == {"q_proj": (32, 64), "k_proj": (16, 64), "o_proj": (64, 32)}, result["shards"]
         assert result["sessions"] == single_sessions, f"rank {rank}'s sessions differ from the single process's"
         assert len(result["logits"]) == len(single_logits)
         for i, (got, want) in enumerate(zip(result["logits"], single_logits)):
