@@ -27,11 +27,11 @@ from typing import AsyncIterator
 from coordinator.backup import one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation, RoundResult
-from coordinator.workers import DraftFailed, DraftLink, TargetLink, _synced_call
+from coordinator.workers import DraftFailed, DraftLink, TargetLink
 from specd import fanout as fanout_lib
 from specd.sampling import SparseDist
 from specd.v1 import draft_pb2, target_pb2
-from specd.wire import sampling_to_proto, sparse_to_proto
+from specd.wire import sampling_to_proto
 
 # Acceptance prior (per token) before a request has verified anything, and its weight in rounds.
 _PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.7, 2.0
@@ -45,7 +45,7 @@ _SPEC_SHARE_HIGH, _SPEC_SHARE_LOW = 0.9, 0.6
 class Drafts:
     tokens: list[int]
     dists: list[SparseDist]
-    source: str  # cache, propose (first round), jit or ngram
+    source: str  # cache, propose (round 0), jit or ngram
 
 
 @dataclasses.dataclass
@@ -115,69 +115,11 @@ class Tuning:
         return fanout_lib.allocate(self.acceptance, num_draft, self.budget, vocab_size, r)
 
 
-async def speculate(
-    draft: DraftLink,
-    gen: Generation,
-    draft_tokens: list[int],
-    num_tokens: int,
-    fanout: list[int],
-    saguaro: draft_pb2.SaguaroParams | None,
-    guesses: asyncio.Future,
-) -> list[draft_pb2.SpeculationEntry]:
-    """Run Speculate and collect its entries; cancelling the task cancels the build.
-
-    `guesses` gets the set of (k, t*) the cache will hold as soon as the draft knows it.
-    """
-    session = gen.draft_session
-
-    async def call(tail):
-        request = draft_pb2.SpeculateRequest(
-            session_id=session.session_id,
-            committed=tail,
-            draft_tokens=draft_tokens,
-            num_tokens=num_tokens,
-            fanout=fanout,
-            sampling=sampling_to_proto(gen.sampling),
-            max_support=gen.max_support,
-            saguaro=saguaro,
-        )
-        entries = []
-        async for message in draft._stub.Speculate(request, timeout=draft.timeout_s):
-            if message.HasField("guesses"):
-                if not guesses.done():
-                    guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
-            else:
-                entries.append(message.entry)
-        return entries
-
-    committed = list(gen.committed)
-    return await draft._call(lambda: _synced_call(session, committed, call))
-
-
 def _saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
     """Saguaro sampling for drafts whose positions will get `fanout` guesses; None when off."""
     if gen.sampling.greedy or config.ssd_saguaro_c >= 1.0 or not fanout:
         return None
     return draft_pb2.SaguaroParams(c=config.ssd_saguaro_c, fanout=fanout)
-
-
-async def _propose(draft: DraftLink, gen: Generation, num_tokens: int, saguaro) -> Drafts:
-    session = gen.draft_session
-
-    async def call(tail):
-        request = draft_pb2.ProposeRequest(
-            session_id=session.session_id,
-            committed=tail,
-            num_tokens=num_tokens,
-            sampling=sampling_to_proto(gen.sampling),
-            max_support=gen.max_support,
-            saguaro=saguaro,
-        )
-        return await draft._stub.Propose(request, timeout=draft.timeout_s)
-
-    response = await draft._call(lambda: _synced_call(session, gen.committed, call))
-    dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
-    return Drafts(list(response.draft_tokens), dists, "")
 
 
 async def ssd_rounds(
@@ -228,7 +170,11 @@ async def ssd_rounds(
                 else:
                     saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
                     try:
-                        drafts = await _propose(draft, gen, num_draft, saguaro)
+                        response = await draft.propose(
+                            gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro
+                        )
+                        dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
+                        drafts = Drafts(list(response.draft_tokens), dists, backup)
                     except DraftFailed as exc:
                         fallback, usable = str(exc), False
                 draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
@@ -245,8 +191,17 @@ async def ssd_rounds(
                 fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
                 branches = sum(fanout)
                 saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
+                request = draft_pb2.SpeculateRequest(
+                    session_id=gen.session_id,
+                    draft_tokens=drafts.tokens,
+                    num_tokens=next_k,
+                    fanout=fanout,
+                    sampling=sampling_to_proto(gen.sampling),
+                    max_support=gen.max_support,
+                    saguaro=saguaro,
+                )
                 guesses = asyncio.get_running_loop().create_future()
-                spec_task = asyncio.ensure_future(speculate(draft, gen, drafts.tokens, next_k, fanout, saguaro, guesses))
+                spec_task = asyncio.ensure_future(draft.speculate(gen.draft_session, list(gen.committed), request, guesses))
             spec_started = time.perf_counter()
             try:
                 verify = await verify_task

@@ -7,6 +7,7 @@ NOT_FOUND or FAILED_PRECONDITION and is sent the whole history again.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -207,6 +208,7 @@ class DraftLink:
         num_tokens: int,
         sampling: SamplingSettings,
         max_support: int,
+        saguaro: draft_pb2.SaguaroParams | None = None,
     ) -> draft_pb2.ProposeResponse:
         async def call(tail):
             request = draft_pb2.ProposeRequest(
@@ -215,8 +217,35 @@ class DraftLink:
                 num_tokens=num_tokens,
                 sampling=sampling_to_proto(sampling),
                 max_support=max_support,
+                saguaro=saguaro,
             )
             return await self._stub.Propose(request, timeout=self.timeout_s)
+
+        return await self._call(lambda: _synced_call(session, committed, call))
+
+    async def speculate(
+        self,
+        session: WorkerSession,
+        committed: list[int],
+        request: draft_pb2.SpeculateRequest,
+        guesses: asyncio.Future,
+    ) -> list[draft_pb2.SpeculationEntry]:
+        """SSD: run Speculate and collect its entries; cancelling the caller cancels the build.
+
+        `guesses` gets the set of (k, t*) the cache will hold as soon as the draft knows them,
+        one forward into the build.
+        """
+
+        async def call(tail):
+            request.committed.CopyFrom(tail)
+            entries = []
+            async for message in self._stub.Speculate(request, timeout=self.timeout_s):
+                if message.HasField("guesses"):
+                    if not guesses.done():
+                        guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
+                else:
+                    entries.append(message.entry)
+            return entries
 
         return await self._call(lambda: _synced_call(session, committed, call))
 
