@@ -114,3 +114,25 @@ def test_auto_runs_ssd_with_a_draft_and_target_only_without(stacks, tiny_pair, r
         )
     assert response.stats.mode == pb.SPECULATION_MODE_OFF
     assert list(response.token_ids) == greedy[text]
+
+
+def test_ssd_survives_the_draft_going_away_and_coming_back(tiny_pair, reference):
+    """No draft: target-only rounds with the same output, said in the stats; back: ssd again,
+    with the fresh worker's sessions re-sent from position 0."""
+    import time
+
+    model, prompts, greedy = reference
+    text = PROMPTS[1]
+    message = request(prompts[text], mode=SSD, k=4, max_new_tokens=MAX_NEW)
+    with running_stack(*tiny_pair, coordinator_overrides=dict(ssd_adaptive=False)) as stack:
+        stub = stack.stub()
+        assert stub.Generate(message, timeout=CALL_TIMEOUT_S).stats.mode == SSD
+        stack.stop_draft()
+        away = stub.Generate(message, timeout=CALL_TIMEOUT_S)
+        assert away.stats.mode == pb.SPECULATION_MODE_OFF and away.stats.fallback_reason
+        assert_greedy_equal_or_near_tie(model, prompts[text], list(away.token_ids), greedy[text])
+        stack.restart_draft()
+        time.sleep(0.5)  # past the coordinator's draft_retry_s
+        back = stub.Generate(message, timeout=CALL_TIMEOUT_S)
+        assert back.stats.mode == SSD and back.stats.cache_hits > 0
+        assert_greedy_equal_or_near_tie(model, prompts[text], list(back.token_ids), greedy[text])
