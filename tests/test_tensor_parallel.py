@@ -117,7 +117,11 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
     target, _ = tiny_pair
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    context = mp.start_processes(_rank_main, args=(2, target, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    # forkserver: the two ranks fork from one clean process that imported transformers once.
+    mp.get_context("forkserver").set_forkserver_preload(["target_service.tensor_parallel", "transformers.modeling_utils",
+                                                         "transformers.models.llama.modeling_llama", __name__])
+    context = mp.start_processes(_rank_main, args=(2, target, str(tmp_path)), nprocs=2, join=False,
+                                 start_method="forkserver")
 
     # Meanwhile, the single-process target through the same calls.
     single_logits: list[torch.Tensor] = []
