@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
-import time
+import tempfile
 
 from specd.demo import DEMO_DRAFT, DEMO_TARGET, MODELS_DIR
 
@@ -26,17 +27,20 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved passes over all modes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run ssd on a stack with tracing disabled and one exporting every span")
     parser.add_argument("--json", dest="json_path", default="", help="write the results to this file")
     parser.set_defaults(run=run)
 
 
-def start_stack(args) -> tuple[subprocess.Popen, str]:
+def start_stack(args, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [sys.executable, "-m", "specd", "up", "--target", args.target, "--draft", args.draft,
          "--threads", str(args.threads), "--port", "0"],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     for line in process.stdout:
         if line.startswith("coordinator listening on "):
@@ -52,10 +56,7 @@ def load_prompts(path: str, count: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
-
     from specd import bench
-    from specd.v1 import coordinator_pb2_grpc
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in bench.ALL_MODES]
@@ -63,34 +64,59 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd bench: unknown modes {unknown}; choose from {', '.join(bench.ALL_MODES)}", file=sys.stderr)
         return 2
     prompts = load_prompts(args.prompts, args.num_prompts)
-    stack = None
+    stacks: list[subprocess.Popen] = []
     address = args.address
-    if not address:
-        print("specd bench: starting the stack ...", file=sys.stderr, flush=True)
-        stack, address = start_stack(args)
-    hf = None
+    # ssd through stacks that differ only in tracing: SDK disabled, and exporting every span.
+    traced_addresses: dict[str, str] = {}
+    receiver = None
     try:
+        if not address:
+            print("specd bench: starting the stack ...", file=sys.stderr, flush=True)
+            stack, address = start_stack(args)
+            stacks.append(stack)
+        if args.tracing_overhead and "ssd" in modes:
+            from specd.trace_store import Receiver
+
+            receiver = Receiver(pathlib.Path(tempfile.mkdtemp(prefix="specd-bench-")) / "spans.jsonl", port=0).start()
+            for name, env in (
+                ("ssd_tracing_disabled", {"OTEL_SDK_DISABLED": "true"}),
+                ("ssd_tracing_exported", {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                                          "OTEL_TRACES_SAMPLER": "always_on"}),
+            ):
+                print(f"specd bench: starting a stack for {name} ...", file=sys.stderr, flush=True)
+                stack, traced_addresses[name] = start_stack(args, env)
+                stacks.append(stack)
         # The in-process baseline gets the threads the two workers have together.
         hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads)
         verify_ms = hf.verify_ms(prompts[0], args.num_speculative_tokens)
-        runs: dict[str, list] = {m: [] for m in modes}
-        with grpc.insecure_channel(address) as channel:
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
+        stubs = {name: _stub(addr) for name, addr in {"specd": address, **traced_addresses}.items()}
+        for stub in stubs.values():
             bench.run_specd_mode(stub, prompts[:1], "off", 8, args.num_speculative_tokens)  # warm-up
-            for repeat in range(args.repeats):
-                for mode in modes:
-                    if mode == "hf_assisted":
-                        result = hf.run(prompts, args.max_new_tokens)
-                    else:
-                        result = bench.run_specd_mode(stub, prompts, mode, args.max_new_tokens, args.num_speculative_tokens)
-                    runs[mode].append(result)
-                    print(f"  pass {repeat + 1}/{args.repeats} {mode:<12} {result.tokens_per_s:7.1f} tok/s",
-                          file=sys.stderr, flush=True)
+        for repeat in range(args.repeats):
+            for mode in runs:
+                if mode == "hf_assisted":
+                    result = hf.run(prompts, args.max_new_tokens)
+                else:
+                    stub = stubs.get(mode, stubs["specd"])
+                    specd_mode = "ssd" if mode in traced_addresses else mode
+                    result = bench.run_specd_mode(stub, prompts, specd_mode, args.max_new_tokens, args.num_speculative_tokens)
+                runs[mode].append(result)
+                print(f"  pass {repeat + 1}/{args.repeats} {mode:<22} {result.tokens_per_s:7.1f} tok/s",
+                      file=sys.stderr, flush=True)
     finally:
-        if stack is not None:
+        for stack in stacks:
             stack.terminate()
-            stack.wait(timeout=30)
-    summary = {"modes": bench.summarize(runs)}
+        for stack in stacks:
+            try:
+                stack.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                stack.kill()
+        if receiver is not None:
+            receiver.stop()
+    summary = {"modes": bench.summarize({m: r for m, r in runs.items() if m not in traced_addresses})}
+    if traced_addresses:
+        summary["tracing"] = _tracing_overhead(bench.summarize(runs))
     sd = summary["modes"].get("sd")
     sd_tokens_per_round = sd["tokens_per_round"] if sd else None
     limit = sd_tokens_per_round / (verify_ms / 1000.0) if sd_tokens_per_round else None
@@ -111,10 +137,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"ssd limit = sd tokens/round {sd_tokens_per_round:.2f} / verify {verify_ms:.2f} ms = {limit:.1f} tok/s")
         if "ssd" in summary["modes"]:
             print(f"ssd reached {summary['modes']['ssd']['tokens_per_s'] / limit:.0%} of its limit")
+    if "tracing" in summary:
+        t = summary["tracing"]
+        print(f"tracing (ssd tok/s): disabled {t['disabled_tokens_per_s']:.1f}, no exporter "
+              f"{t['default_tokens_per_s']:.1f}, exporting every span {t['exported_tokens_per_s']:.1f} "
+              f"(cost of exporting: {t['exported_cost']:+.1%})")
     print("greedy outputs identical across specd modes: " + ("yes" if summary["identical_outputs"] else "NO"))
     if args.json_path:
         bench.to_json(summary, args.json_path)
     return 0
+
+
+def _stub(address: str):
+    import grpc
+
+    from specd.v1 import coordinator_pb2_grpc
+
+    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
+
+
+def _tracing_overhead(modes: dict) -> dict:
+    """ssd tokens/s with the SDK disabled, with the default set-up, and exporting every span."""
+    disabled = modes["ssd_tracing_disabled"]["tokens_per_s"]
+    exported = modes["ssd_tracing_exported"]["tokens_per_s"]
+    return {
+        "disabled_tokens_per_s": disabled,
+        "default_tokens_per_s": modes["ssd"]["tokens_per_s"],
+        "exported_tokens_per_s": exported,
+        "exported_cost": 1.0 - exported / disabled if disabled else None,
+    }
 
 
 def _identical(runs: dict[str, list]) -> bool:
