@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.server import start_coordinator
-from specd.sampling import SamplingSettings
+from specd.sampling import SamplingSettings, SparseDist
 from specd.v1 import common_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
 from target_service.config import TargetConfig
@@ -59,6 +59,11 @@ def _runner_script(runner, sleep=time.sleep) -> None:
     committed = prompt + [8, 9, 10, 11][: first.accepted] + [first.next_token]
     second = runner.verify("a", len(prompt), committed[len(prompt):], [1, 2, 3], [], greedy, True)
     committed += [1, 2, 3][: second.accepted] + [second.next_token]
+    # Sampled: the draft distributions and settings travel to rank 1 too; keyed uniforms agree.
+    sampled = SamplingSettings(temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    dists = [SparseDist([1, 2, 3], [0.5, 0.3, 0.2]), SparseDist([4, 5], [0.6, 0.4])]
+    third = runner.verify("a", len(committed) - 1, committed[-1:], [2, 5], dists, sampled, True)
+    committed += [2, 5][: third.accepted] + [third.next_token]
     runner.verify("a", 0, committed[:4], [6, 6], [], greedy, False)  # the coordinator resends a shorter history
     runner.prefill("b", 0, [4, 4, 4, 4])
     sleep(1.2)  # both sessions idle past the 1 s timeout ...
@@ -141,7 +146,7 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
     while not context.join(timeout=1):
         assert time.monotonic() < deadline, "the two ranks did not finish"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert len(single_logits) == 8
+    assert len(single_logits) == 9
     for rank, result in enumerate(ranks):
         # hidden 64, 4 heads of 16, 2 KV heads: each rank holds half the heads (q, k colwise; o rowwise)
         assert result["shards"] == {"q_proj": (32, 64), "k_proj": (16, 64), "o_proj": (64, 32)}, result["shards"]
@@ -295,6 +300,16 @@ def test_greedy_generate_equals_single_device(stacks, tiny_pair, mode):
         rejected += got.stats.draft_tokens - got.stats.accepted_tokens
     if mode == pb.SPECULATION_MODE_SD:
         assert rejected > 0, "no draft token was rejected: the rollback path across ranks went untested"
+
+
+def test_seeded_sampling_equals_single_device(stacks):
+    """Keyed randomness: a seeded sd request draws the same tokens on the TP target as on one device."""
+    _, tp_stub, single_stub = stacks
+    for prompt in PROMPTS[:2]:
+        message = request(prompt, mode=pb.SPECULATION_MODE_SD, max_new_tokens=24, temperature=0.9, seed=1234)
+        got = tp_stub.Generate(message, timeout=CALL_TIMEOUT_S)
+        want = single_stub.Generate(message, timeout=CALL_TIMEOUT_S)
+        assert list(got.token_ids) == list(want.token_ids)
 
 
 def test_idle_longer_than_collective_timeout(stacks, tp_server):
