@@ -4,6 +4,8 @@
   (rank 1) through prefill, verify with rejections (rollback), expiry and re-prefill; every
   forward's logits are recorded on both ranks and compared with a single-process
   TargetModelRunner given the same calls, and both ranks' session stores must end identical.
+  The job's collective timeout is 1.5 s and the script idles 2 s (heartbeats keep rank 1 up);
+  then rank 0 falls silent and rank 1 must fail instead of hanging.
 - Served: the real `specd serve target --tensor-parallel 2` as a subprocess, behind a coordinator,
   compared with the single-device stack: Verify logprobs, greedy Generate (off and sd), an idle
   period longer than the command group's collective timeout, and a killed rank 1.
@@ -49,7 +51,10 @@ def _free_port() -> int:
 # ---------------------------------------------------------------- runner level, two spawned ranks
 
 
-def _runner_script(runner, sleep=time.sleep) -> None:
+RUNNER_TP_TIMEOUT_S = 1.5  # the spawned job's collective timeout: the script idles longer than this
+
+
+def _runner_script(runner) -> None:
     """The same calls on any runner: prefill, verifies that reject (rollback), expiry, re-prefill."""
     greedy = SamplingSettings(temperature=0.0)
     prompt = [5, 17, 42, 99, 7, 3, 11]
@@ -66,7 +71,7 @@ def _runner_script(runner, sleep=time.sleep) -> None:
     committed += [2, 5][: third.accepted] + [third.next_token]
     runner.verify("a", 0, committed[:4], [6, 6], [], greedy, False)  # the coordinator resends a shorter history
     runner.prefill("b", 0, [4, 4, 4, 4])
-    sleep(1.2)  # both sessions idle past the 1 s timeout ...
+    time.sleep(2.0)  # both sessions idle past the 1 s session timeout, and past the collective timeout ...
     runner.prefill("c", 0, [9, 8, 7, 6, 5])  # ... then "c" comes: only "a" and "b" expire
     assert sorted(runner.expire_idle()) == ["a", "b"]
     runner.prefill("a", 0, committed)  # a fresh "a" on every rank
@@ -89,12 +94,15 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
 
     runner_module.forward_logits = recording_forward
     config = TargetConfig(model=model, device="cpu", threads=1, tensor_parallel=world, session_idle_timeout_s=1.0,
-                          tp_timeout_s=30.0, tp_heartbeat_s=0.3)
+                          tp_timeout_s=RUNNER_TP_TIMEOUT_S, tp_heartbeat_s=0.2)
     tp._job = job = tp._Job(rank=rank, world_size=world, local_rank=rank)
     if rank == 0:
         runner = tp.load_tensor_parallel_runner(config)
         _runner_script(runner)
-        runner.shutdown()
+        # Then rank 0 falls silent (no heartbeat, no shutdown): rank 1 must give up, not hang.
+        runner._closed = True
+        time.sleep(RUNNER_TP_TIMEOUT_S + 2.0)
+        outcome = "rank 0 went silent"
         sessions, model = runner.sessions, runner.loaded.model
     else:
         captured = {}
@@ -105,12 +113,17 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
             return captured["runner"]
 
         tp._load_local_runner = keep
-        tp.follow(config, job)
+        try:
+            tp.follow(config, job)
+            outcome = "followed to a shutdown"
+        except tp.RankFailure as exc:
+            outcome = str(exc)
         sessions, model = captured["runner"].sessions, captured["runner"].loaded.model
     state = {sid: list(s.cached_tokens) for sid, s in sessions._sessions.items()}
     attention = model.model.layers[0].self_attn
     shards = {name: tuple(getattr(attention, name).weight.to_local().shape) for name in ("q_proj", "k_proj", "o_proj")}
-    torch.save({"logits": recorded, "sessions": state, "shards": shards}, pathlib.Path(out_dir) / f"rank{rank}.pt")
+    result = {"logits": recorded, "sessions": state, "shards": shards, "outcome": outcome}
+    torch.save(result, pathlib.Path(out_dir) / f"rank{rank}.pt")
 
 
 def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, monkeypatch):
@@ -147,6 +160,8 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
         assert time.monotonic() < deadline, "the two ranks did not finish"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert len(single_logits) == 9
+    # Heartbeats kept rank 1 through the 2 s idle; once they stopped it timed out (1.5 s) and failed.
+    assert "rank 0 is gone or silent" in ranks[1]["outcome"] and "Timed out" in ranks[1]["outcome"], ranks[1]["outcome"]
     for rank, result in enumerate(ranks):
         # hidden 64, 4 heads of 16, 2 KV heads: each rank holds half the heads (q, k colwise; o rowwise)
         assert result["shards"] == {"q_proj": (32, 64), "k_proj": (16, 64), "o_proj": (64, 32)}, result["shards"]
