@@ -101,7 +101,7 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
         _runner_script(runner)
         # Then rank 0 falls silent (no heartbeat, no shutdown): rank 1 must give up, not hang.
         runner._closed = True
-        time.sleep(RUNNER_TP_TIMEOUT_S + 2.0)
+        time.sleep(RUNNER_TP_TIMEOUT_S + 1.0)
         outcome = "rank 0 went silent"
         sessions, model = runner.sessions, runner.loaded.model
     else:
@@ -126,7 +126,8 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
     torch.save(result, pathlib.Path(out_dir) / f"rank{rank}.pt")
 
 
-def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, monkeypatch):
+def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, monkeypatch, tp_server):
+    """(tp_server is only started here, so that it loads while this test runs.)"""
     import torch.multiprocessing as mp
 
     import target_service.runner as runner_module
@@ -207,6 +208,18 @@ class TpServer:
         with grpc.insecure_channel(self.address) as channel:
             return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
 
+    def wait_serving(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.process.poll() is None, f"the TP target exited with {self.process.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"the TP target did not start serving:\n{self.log()}"
+            try:
+                if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+
     def rank_pid(self, rank: int) -> int:
         found = re.findall(rf"launched tensor-parallel rank {rank} as process (\d+)", self.log())
         assert found, self.log()
@@ -224,18 +237,7 @@ def tp_server(tiny_pair, tmp_path_factory):
                "--tensor-parallel", "2", "--tp-timeout-s", str(TP_TIMEOUT_S), "--tp-heartbeat-s", "0.5"]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    server = TpServer(process, port, log_path)
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, f"the TP target exited with {process.returncode}:\n{server.log()}"
-        assert time.monotonic() < deadline, f"the TP target did not start serving:\n{server.log()}"
-        try:
-            if server.health() == health_pb2.HealthCheckResponse.SERVING:
-                break
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    yield server
+    yield TpServer(process, port, log_path)  # still loading: `stacks` waits for it
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -249,6 +251,7 @@ def stacks(tiny_pair, tp_server):
     """The single-device stack, plus a second coordinator on the TP target and the same draft."""
     target, draft = tiny_pair
     stack = ServiceStack(target, draft).start()
+    tp_server.wait_serving()
 
     async def tp_coordinator():
         config = CoordinatorConfig(host="127.0.0.1", port=0, metrics_port=-1, target_address=tp_server.address,
