@@ -73,7 +73,11 @@ def test_served_stack_exports_the_whole_trace(tiny_pair, tmp_path):
             names = {s["name"] for s in spans}
             complete = {s["service"] for s in spans} == SERVICES and {"llm_request", "spec_verify", "spec_propose"} <= names
             rounds = sum(s["name"] == "spec_round" for s in spans)
-            return spans if complete and rounds == result["stats"]["rounds"] else None
+            # Spans arrive in per-service batches: a worker's span may land before its parent,
+            # the coordinator's client span, so wait until every parent has arrived too.
+            ids = {s["span_id"] for s in spans}
+            parents_in = all(not s["parent_span_id"] or s["parent_span_id"] in ids for s in spans)
+            return spans if complete and parents_in and rounds == result["stats"]["rounds"] else None
 
         spans = _wait_for(whole_trace, 20.0, "the trace at the receiver")
     finally:
