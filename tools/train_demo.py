@@ -1,0 +1,431 @@
+#!/usr/bin/env python
+"""Train specd's bundled demo model pair from scratch, offline, on CPU.
+
+The recipe (issue 3):
+
+* corpus: the Python standard library's own source (``sysconfig.get_paths()["stdlib"]``),
+  ``*.py`` files only, leaving out test folders, lib2to3, site-packages and
+  ``__pycache__``; files joined with ``<|endoftext|>``; train/validation split by a
+  stable hash (sha1) of the relative path, about 5% held out (the held-out list is
+  written to ``<out>/heldout_files.txt``);
+* tokenizer: byte-level BPE (``tokenizers``), vocab 4096, one special token
+  ``<|endoftext|>`` used as bos/eos/pad, wrapped in ``PreTrainedTokenizerFast``;
+* target: ``LlamaForCausalLM`` trained with next-token cross-entropy;
+* draft: a much smaller ``LlamaForCausalLM`` distilled from the target's logits
+  (forward KL, KL(p_target || p_draft), on the target's full soft distribution);
+* export: both models in HF format (bf16 weights on disk, same tokenizer files in
+  both folders) under ``<out>/target`` and ``<out>/draft``.
+
+Every stage runs a FIXED number of optimizer steps with batches drawn from a generator
+seeded by (seed, step), so a rerun with the same command, the same thread count and
+the same library versions reproduces the weights bit for bit, and a run killed at any
+point resumes from the last checkpoint in ``--work`` and still ends with the same
+weights.  Rerunning a finished stage is a no-op (delete ``--work`` to start over).
+
+Usage (the command used for the committed models is in models/demo/README.md):
+
+    python tools/train_demo.py --out models/demo --work .demo-train
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+EOT = "<|endoftext|>"
+EXCLUDED_DIRS = {"test", "tests", "idle_test", "lib2to3", "site-packages", "__pycache__"}
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def stdlib_files(root: Path) -> list[str]:
+    """Relative paths (posix, sorted) of the stdlib's *.py files, tests etc. left out."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for name in filenames:
+            if name.endswith(".py"):
+                rel = (Path(dirpath) / name).relative_to(root).as_posix()
+                out.append(rel)
+    return sorted(out)
+
+
+def is_heldout(rel: str, percent: int) -> bool:
+    h = int.from_bytes(hashlib.sha1(rel.encode("utf-8")).digest()[:8], "big")
+    return h % 100 < percent
+
+
+def build_corpus(work: Path, out: Path, heldout_percent: int) -> dict:
+    """Write train.txt / valid.txt (documents joined by EOT) and the held-out list."""
+    meta_path = work / "corpus.json"
+    if meta_path.exists():
+        return json.loads(meta_path.read_text())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)
+    train_docs, valid_docs, heldout, skipped = [], [], [], []
+    for rel in files:
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            skipped.append(rel)
+            continue
+        if not text.strip():
+            continue
+        if is_heldout(rel, heldout_percent):
+            valid_docs.append(text)
+            heldout.append(rel)
+        else:
+            train_docs.append(text)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "train.txt").write_text(EOT.join(train_docs), encoding="utf-8")
+    (work / "valid.txt").write_text(EOT.join(valid_docs), encoding="utf-8")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "heldout_files.txt").write_text(
+        f"# held-out (validation) files, relative to the stdlib of Python "
+        f"{sys.version_info.major}.{sys.version_info.minor}\n" + "\n".join(heldout) + "\n"
+    )
+    meta = {
+        "stdlib": str(root),
+        "python": sys.version.split()[0],
+        "files_train": len(train_docs),
+        "files_valid": len(valid_docs),
+        "files_skipped": skipped,
+        "bytes_train": len(EOT.join(train_docs).encode("utf-8")),
+        "bytes_valid": len(EOT.join(valid_docs).encode("utf-8")),
+    }
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+# -------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(work: Path, vocab_size: int):
+    from transformers import PreTrainedTokenizerFast
+
+    tok_dir = work / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        text = (work / "train.txt").read_text(encoding="utf-8")
+        docs = text.split(EOT)
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=True,
+        )
+        tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT,
+            model_max_length=2048,
+        )
+        fast.save_pretrained(tok_dir)
+    return PreTrainedTokenizerFast.from_pretrained(tok_dir)
+
+
+def encode_corpus(work: Path, tokenizer):
+    import torch
+
+    path = work / "tokens.pt"
+    if path.exists():
+        return torch.load(path)
+    eot_id = tokenizer.convert_tokens_to_ids(EOT)
+    result = {}
+    for split in ("train", "valid"):
+        docs = (work / f"{split}.txt").read_text(encoding="utf-8").split(EOT)
+        ids: list[int] = []
+        for i, enc in enumerate(tokenizer._tokenizer.encode_batch(docs)):
+            if i:
+                ids.append(eot_id)
+            ids.extend(enc.ids)
+        result[split] = torch.tensor(ids, dtype=torch.int16 if len(tokenizer) < 32768 else torch.int32)
+    torch.save(result, path)
+    return result
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def llama_config(tokenizer, hidden: int, layers: int, heads: int, intermediate: int, max_pos: int):
+    from transformers import LlamaConfig
+
+    eot_id = tokenizer.convert_tokens_to_ids(EOT)
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        pad_token_id=eot_id,
+    )
+
+
+def get_batch(data, step: int, seed: int, batch: int, seq: int):
+    """Deterministic batch for `step`: random windows of seq+1 tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+    idx = starts[:, None] + torch.arange(seq + 1)[None, :]
+    return data[idx].long()
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def evaluate(model, data, seq: int, max_windows: int | None = None, teacher=None, batch: int = 8):
+    """Mean next-token loss (nats/token) over non-overlapping windows of the stream.
+
+    With a teacher, also the forward KL and the argmax agreement with the teacher."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    n = (data.numel() - 1) // seq
+    if max_windows is not None:
+        n = min(n, max_windows)
+    tot_loss, tot_tok, tot_kl, tot_agree = 0.0, 0, 0.0, 0
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            rows = range(i, min(n, i + batch))
+            x = torch.stack([data[r * seq : r * seq + seq + 1] for r in rows]).long()
+            logits = model(x[:, :-1]).logits.float()
+            tot_loss += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+            tot_tok += x[:, 1:].numel()
+            if teacher is not None:
+                t_logits = teacher(x[:, :-1]).logits.float()
+                t_logp = F.log_softmax(t_logits, -1)
+                s_logp = F.log_softmax(logits, -1)
+                tot_kl += (t_logp.exp() * (t_logp - s_logp)).sum().item()
+                tot_agree += (t_logits.argmax(-1) == logits.argmax(-1)).sum().item()
+    model.train()
+    res = {"loss": tot_loss / tot_tok, "tokens": tot_tok}
+    if teacher is not None:
+        res["kl"] = tot_kl / tot_tok
+        res["argmax_agreement"] = tot_agree / tot_tok
+    return res
+
+
+def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Path, teacher=None):
+    """Fixed-step AdamW training with checkpoint/resume. Returns the trained model."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    sdir = work / name
+    sdir.mkdir(parents=True, exist_ok=True)
+    final = sdir / "final.pt"
+    log = open(sdir / "log.jsonl", "a")
+    if final.exists():
+        model.load_state_dict(torch.load(final))
+        print(f"[{name}] already trained ({final}); skipping", flush=True)
+        return model
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    start = 0
+    ckpt = sdir / "ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        print(f"[{name}] resuming from step {start}", flush=True)
+    seed = args.seed + (0 if teacher is None else 1)
+    model.train()
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=name, file=sys.stdout,
+               mininterval=10, dynamic_ncols=False, ncols=110)
+    t0, tok0 = time.time(), 0
+    for step in bar:
+        cur_lr = lr_at(step, steps, lr, args.warmup)
+        for gr in opt.param_groups:
+            gr["lr"] = cur_lr
+        x = get_batch(data, step, seed, batch, seq)
+        logits = model(x[:, :-1]).logits
+        if teacher is None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+        else:
+            with torch.no_grad():
+                t_logp = F.log_softmax(teacher(x[:, :-1]).logits.float(), -1)
+            s_logp = F.log_softmax(logits.float(), -1)
+            loss = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()  # forward KL
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tok0 += x[:, 1:].numel()
+        rate = tok0 / max(1e-9, time.time() - t0)
+        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{cur_lr:.1e}", tok_s=f"{rate:.0f}")
+        rec = {"step": step + 1, "loss": round(loss.item(), 5), "lr": cur_lr, "time": time.time()}
+        done = step + 1
+        if done % args.eval_every == 0 or done == steps:
+            ev = evaluate(model, valid, seq, max_windows=args.eval_windows, teacher=teacher)
+            rec["val"] = ev
+            bar.write(f"[{name}] step {done}/{steps} train {loss.item():.4f} val {json.dumps(ev)}")
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if done % args.ckpt_every == 0 and done != steps:
+            tmp = sdir / "ckpt.pt.tmp"
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": done}, tmp)
+            os.replace(tmp, ckpt)
+    bar.close()
+    torch.save(model.state_dict(), final)
+    if ckpt.exists():
+        ckpt.unlink()
+    return model
+
+
+def round_to_bf16(model):
+    """Round weights to bf16 and back: what is stored on disk is what later stages see."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    return model
+
+
+def export(model, tokenizer, path: Path):
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.generation_config.do_sample = False
+    model.generation_config.bos_token_id = model.config.bos_token_id
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    model.to(torch.float32)
+    tokenizer.save_pretrained(path)
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="models/demo", help="where target/ and draft/ are written")
+    p.add_argument("--work", default=".demo-train", help="corpus, tokens, checkpoints, logs")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (part of what makes a rerun bit-exact)")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--heldout-percent", type=int, default=5)
+    p.add_argument("--seq", type=int, default=256, help="training window (tokens)")
+    p.add_argument("--max-pos", type=int, default=2048, help="max_position_embeddings (serving context)")
+    p.add_argument("--target-shape", default="320x10", help="HIDDENxLAYERS")
+    p.add_argument("--target-steps", type=int, default=200)
+    p.add_argument("--target-batch", type=int, default=8)
+    p.add_argument("--target-lr", type=float, default=2e-3)
+    p.add_argument("--draft-shape", default="192x2", help="HIDDENxLAYERS")
+    p.add_argument("--draft-steps", type=int, default=250)
+    p.add_argument("--draft-batch", type=int, default=8)
+    p.add_argument("--draft-lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-windows", type=int, default=48, help="validation windows for periodic evals")
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--stage", default="all", choices=["all", "target", "draft"],
+                   help="stop after this stage (all = target, draft, export)")
+    args = p.parse_args(argv)
+
+    # on a shared machine, spinning OpenMP workers only steal time from everyone
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.time()
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "args.json").write_text(json.dumps(vars(args), indent=2))
+
+    meta = build_corpus(work, out, args.heldout_percent)
+    print(f"corpus: {meta['files_train']} train files ({meta['bytes_train']/1e6:.2f} MB), "
+          f"{meta['files_valid']} held out ({meta['bytes_valid']/1e6:.2f} MB)", flush=True)
+    tokenizer = build_tokenizer(work, args.vocab)
+    tokens = encode_corpus(work, tokenizer)
+    train, valid = tokens["train"], tokens["valid"]
+    print(f"tokens: train {train.numel():,}  valid {valid.numel():,}  "
+          f"bytes/token {meta['bytes_train']/train.numel():.3f}", flush=True)
+
+    from transformers import LlamaForCausalLM
+
+    def shape(s):
+        h, l = (int(v) for v in s.lower().split("x"))
+        heads = max(1, h // 64)
+        inter = ((h * 8 // 3) + 31) // 32 * 32
+        return llama_config(tokenizer, h, l, heads, inter, args.max_pos)
+
+    torch.manual_seed(args.seed)
+    target = LlamaForCausalLM(shape(args.target_shape)).float()
+    n_t = sum(p.numel() for p in target.parameters())
+    print(f"target {args.target_shape}: {n_t/1e6:.2f}M parameters; "
+          f"{args.target_steps} steps x {args.target_batch}x{args.seq} tokens", flush=True)
+    target = train_stage("target", target, train, valid, args, args.target_steps, args.target_lr,
+                         args.target_batch, args.seq, work)
+    round_to_bf16(target)
+    if args.stage == "target":
+        return
+    target.eval()
+    for p_ in target.parameters():
+        p_.requires_grad_(False)
+
+    torch.manual_seed(args.seed + 1)
+    draft = LlamaForCausalLM(shape(args.draft_shape)).float()
+    n_d = sum(p.numel() for p in draft.parameters())
+    print(f"draft {args.draft_shape}: {n_d/1e6:.2f}M parameters; distilled "
+          f"{args.draft_steps} steps x {args.draft_batch}x{args.seq} tokens", flush=True)
+    draft = train_stage("draft", draft, train, valid, args, args.draft_steps, args.draft_lr,
+                        args.draft_batch, args.seq, work, teacher=target)
+    round_to_bf16(draft)
+    if args.stage == "draft":
+        return
+
+    # ----- export + final evaluation on the whole held-out stream
+    export(target, tokenizer, out / "target")
+    export(draft, tokenizer, out / "draft")
+    ln2 = math.log(2)
+    bpt = meta["bytes_valid"] / valid.numel()
+    ev_t = evaluate(target, valid, args.seq)
+    ev_d = evaluate(draft, valid, args.seq, teacher=target)
+    metrics = {
+        "target": {"shape": args.target_shape, "params": n_t, "val_loss_nats_per_token": ev_t["loss"],
+                   "val_bits_per_byte": ev_t["loss"] / ln2 / bpt, "val_tokens": ev_t["tokens"]},
+        "draft": {"shape": args.draft_shape, "params": n_d, "val_loss_nats_per_token": ev_d["loss"],
+                  "val_bits_per_byte": ev_d["loss"] / ln2 / bpt, "val_kl_from_target": ev_d["kl"],
+                  "val_argmax_agreement_with_target": ev_d["argmax_agreement"]},
+        "valid_bytes_per_token": bpt,
+        "corpus": meta,
+        "args": vars(args),
+        "wall_time_s_this_invocation": time.time() - t_start,
+    }
+    (work / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(json.dumps({k: metrics[k] for k in ("target", "draft")}, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
