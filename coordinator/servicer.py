@@ -11,10 +11,11 @@ from typing import AsyncIterator
 
 from opentelemetry import trace
 
-from coordinator.config import MAX_SPECULATIVE_TOKENS, CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.request import ResolvedRequest, TargetFacts, resolve
 from coordinator.rounds import Generation, prefill, sd_rounds
-from coordinator.ssd_rounds import Sizing, ssd_rounds
+from coordinator.ssd_rounds import ssd_rounds
+from coordinator.ssd_tuning import Sizing
 from coordinator.round_trace import RoundTrace, llm_request, record_request, record_response
 from coordinator.stats import RequestStats
 from coordinator.text import TextAssembler
@@ -52,8 +53,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.target = target
         self.draft = draft
         self.facts: TargetFacts | None = None  # set once the target worker has answered
-        # ssd's budget and K cap, learned from measured draft and verify times across requests.
-        self.ssd_sizing = Sizing(budget=config.ssd_budget, k_cap=MAX_SPECULATIVE_TOKENS)
+        # ssd's budget B, chosen by measured throughput across requests.
+        self.ssd_sizing = Sizing(max_budget=config.ssd_budget)
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_coordinator
         self.metrics = None
 

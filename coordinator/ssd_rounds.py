@@ -20,99 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
 from typing import AsyncIterator
 
 from coordinator.backup import one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation, RoundResult
+from coordinator.ssd_tuning import Sizing, Tuning
 from coordinator.workers import DraftFailed, DraftLink, TargetLink
-from specd import fanout as fanout_lib
 from specd.sampling import SparseDist
 from specd.v1 import draft_pb2, target_pb2
 from specd.wire import sampling_to_proto
-
-# Acceptance prior (per token) before a request has verified anything, and its weight in rounds.
-_PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.7, 2.0
-_DECAY = 0.9  # per round: recent rounds dominate the acceptance estimate
-_REACH = 0.1  # adaptive K drafts the positions a draft token reaches with probability >= this
-# The speculation should finish within this share of a verification, or it delays the round.
-_SPEC_SHARE_HIGH, _SPEC_SHARE_LOW = 0.9, 0.6
-
 
 @dataclasses.dataclass
 class Drafts:
     tokens: list[int]
     dists: list[SparseDist]
     source: str  # cache, propose (round 0), jit or ngram
-
-
-@dataclasses.dataclass
-class Sizing:
-    """What the timing controller learned: kept across requests, as the machines do not change."""
-
-    budget: int
-    k_cap: int
-
-
-@dataclasses.dataclass
-class Tuning:
-    """Per-request adaptive state: acceptance estimate; K and budget from measured times."""
-
-    max_k: int
-    max_budget: int
-    adaptive: bool
-    sizing: Sizing
-    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
-    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
-
-    @property
-    def budget(self) -> int:
-        return min(self.sizing.budget, self.max_budget) if self.adaptive else self.max_budget
-
-    @property
-    def acceptance(self) -> float:
-        """Per-token acceptance, the capped-geometric maximum-likelihood estimate."""
-        return self.accepted / (self.accepted + self.rejected)
-
-    def observe_round(self, num_draft: int, accepted: int) -> None:
-        if num_draft == 0:
-            return
-        self.accepted = self.accepted * _DECAY + accepted
-        self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
-
-    def observe_times(self, late_ms: float, speculate_ms: float, verify_ms: float) -> None:
-        """Keep the tree build inside the verification: shrink B (then K) when it ends late.
-
-        late_ms: how long the loop waited for the cache after the verification came back;
-        speculate_ms: the draft's forwards; verify_ms: the verification's wall time.
-        """
-        if not self.adaptive or verify_ms <= 0 or self.max_budget == 0:
-            return
-        sizing = self.sizing
-        if late_ms > (1.0 - _SPEC_SHARE_HIGH) * verify_ms:
-            if sizing.budget > self.k + 1:
-                sizing.budget = max(self.k + 1, int(sizing.budget * 0.8))
-            elif sizing.k_cap > 1:
-                sizing.k_cap -= 1
-        elif late_ms == 0.0 and speculate_ms < _SPEC_SHARE_LOW * verify_ms:
-            if sizing.k_cap < self.max_k:
-                sizing.k_cap += 1
-            elif sizing.budget < self.max_budget:
-                sizing.budget += 1
-
-    @property
-    def k(self) -> int:
-        """K for the next round: positions reached with probability >= _REACH, within the caps."""
-        if not self.adaptive:
-            return self.max_k
-        a = min(max(self.acceptance, 0.05), 0.99)
-        reach = max(1, math.ceil(math.log(_REACH) / math.log(a)))
-        return max(1, min(self.max_k, self.sizing.k_cap, reach))
-
-    def fanout(self, num_draft: int, vocab_size: int, r: float) -> list[int]:
-        return fanout_lib.allocate(self.acceptance, num_draft, self.budget, vocab_size, r)
 
 
 def _saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
@@ -131,10 +55,10 @@ async def ssd_rounds(
 ) -> AsyncIterator[RoundResult]:
     """Speculative speculative decoding; target-only rounds when the draft is off or away.
 
-    `sizing` carries the budget and K cap learned from measured times across requests.
+    `sizing` carries the budget learned from measured throughput across requests.
     """
     if sizing is None:
-        sizing = Sizing(budget=config.ssd_budget, k_cap=gen.num_speculative_tokens)
+        sizing = Sizing(max_budget=config.ssd_budget)
     tuning = Tuning(
         max_k=gen.num_speculative_tokens,
         max_budget=config.ssd_budget,
@@ -147,6 +71,7 @@ async def ssd_rounds(
     index = 0
     while (remaining := gen.max_len - len(gen.committed)) > 0:
         with gen.trace.round(index) as span:  # Verify, Speculate and any Propose are its children
+            round_started = time.perf_counter()
             num_draft = min(tuning.k, remaining - 1)
             fallback = ""
             hit: bool | None = None
@@ -186,8 +111,9 @@ async def ssd_rounds(
             spec_task = None
             next_k = tuning.k
             branches = 0
+            round_budget = tuning.budget if usable and remaining > 1 else None  # what this round tries
             # Speculate only if another round may follow this one (k = 0 commits one token).
-            if usable and remaining > 1 and tuning.budget > 0:
+            if round_budget:
                 fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
                 branches = sum(fanout)
                 saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
@@ -216,18 +142,12 @@ async def ssd_rounds(
             speculate_ms = 0.0
             if spec_task is not None:
                 waited = time.perf_counter()
-                verify_wall_ms = (waited - spec_started) * 1000.0
                 entries = await _collect(spec_task, guesses, (accepted, next_token), config, verify.forward_ms, spec_started)
                 lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
                 if isinstance(entries, DraftFailed):
                     fallback = str(entries)
-                elif entries is _KNOWN_MISS:
-                    pass  # cancelled as soon as the guesses showed a miss: no timing to learn from
-                elif entries is None:
-                    tuning.observe_times(lookup_wait_ms + verify_wall_ms, 0.0, verify_wall_ms)  # gave up: too late
-                else:
+                elif entries is not _KNOWN_MISS and entries is not None:
                     speculate_ms = entries[0].forward_ms if entries else 0.0
-                    tuning.observe_times(lookup_wait_ms if lookup_wait_ms > 0.2 else 0.0, speculate_ms, verify_wall_ms)
                     for entry in entries:
                         if entry.accepted == accepted and entry.next_token == next_token:
                             ready = Drafts(
@@ -238,6 +158,10 @@ async def ssd_rounds(
                             break
                 ready_wait_ms = lookup_wait_ms
             tokens = drafts.tokens[:accepted] + [next_token]
+            # What a round costs per emitted token, at the budget it speculated with (a hit's
+            # saving shows in the next round, which this average also takes in).
+            if round_budget is not None:
+                tuning.observe_time(round_budget, (time.perf_counter() - round_started) * 1000.0, len(tokens))
             ready_at = len(gen.committed) + len(tokens)
             result = RoundResult(
                 index=index,

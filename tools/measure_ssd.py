@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pathlib
 import socket
@@ -60,8 +61,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(role: str, port: int, *flags: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "specd", "serve", role, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", *flags]
+def _serve(role: str, port: int, *flags: str, metrics_port: int = -1) -> subprocess.Popen:
+    command = [sys.executable, "-m", "specd", "serve", role, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", OTEL_SDK_DISABLED="true")
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -78,6 +79,21 @@ def _wait_serving(port: int, process: subprocess.Popen, timeout_s: float = 300.0
                 return
         time.sleep(0.2)
     raise SystemExit(f"port {port} not serving after {timeout_s}s")
+
+
+def _forward_totals(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """op -> (seconds, calls) of a worker's model forwards, from its Prometheus endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    totals: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for suffix, slot in (("_sum", 0), ("_count", 1)):
+            prefix = f"specd_forward_seconds{suffix}{{"
+            if line.startswith(prefix):
+                op = line.split('op="', 1)[1].split('"', 1)[0]
+                totals.setdefault(op, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+    return {op: (v[0], v[1]) for op, v in totals.items()}
 
 
 def _flags(overrides: dict[str, str]) -> list[str]:
@@ -123,6 +139,16 @@ def measure(stub, mode: str, prompts: list[str], max_new: int, k: int, temperatu
     return totals
 
 
+def _delta_ms(before: dict, after: dict, op: str | None, per_call: bool = False) -> float:
+    """Forward milliseconds between two snapshots: one op per call, or all ops in total."""
+    ops = [op] if op else list(after)
+    seconds = sum(after.get(o, (0, 0))[0] - before.get(o, (0, 0))[0] for o in ops)
+    calls = sum(after.get(o, (0, 0))[1] - before.get(o, (0, 0))[1] for o in ops)
+    if per_call:
+        return 1000.0 * seconds / calls if calls else 0.0
+    return 1000.0 * seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(ROOT / "models/demo/target"))
@@ -133,22 +159,27 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts to use")
+    parser.add_argument("--prompts-file", default="", help="a JSON list of prompts (e.g. models/demo/bench_prompts.json)")
     args = parser.parse_args()
     if args.tiny:
         from tests.tiny_models import save_pair
 
         args.target, args.draft = save_pair(pathlib.Path(tempfile.mkdtemp(prefix="specd-measure-")))
     target_port, draft_port = _free_port(), _free_port()
+    target_metrics, draft_metrics = _free_port(), _free_port()
     workers = [
-        _serve("target", target_port, "--model", args.target, "--threads", "1", "--device", "cpu"),
-        _serve("draft", draft_port, "--model", args.draft, "--threads", "1", "--device", "cpu"),
+        _serve("target", target_port, "--model", args.target, "--threads", "1", "--device", "cpu", metrics_port=target_metrics),
+        _serve("draft", draft_port, "--model", args.draft, "--threads", "1", "--device", "cpu", metrics_port=draft_metrics),
     ]
     try:
         _wait_serving(target_port, workers[0])
         _wait_serving(draft_port, workers[1])
         print(f"target {args.target}  draft {args.draft}  K={args.k}  T={args.temperature}  max_new={args.max_new}")
-        print(f"{'setting':44s} {'tok/s':>7s} {'ms/round':>9s} {'accept_len':>10s} {'hit_rate':>8s} {'wait_ms/rd':>10s}")
+        print(
+            f"{'setting':44s} {'tok/s':>7s} {'ms/round':>9s} {'accept_len':>10s} {'hit_rate':>8s} {'wait_ms/rd':>10s}"
+            f" {'verify_ms':>9s} {'draft_ms/rd':>11s}"
+        )
         warm = True
         for text in args.settings:
             mode, overrides = _parse_setting(text)
@@ -158,11 +189,13 @@ def main() -> None:
             try:
                 _wait_serving(port, coordinator)
                 stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-                prompts = PROMPTS[: args.prompts]
+                prompts = (json.loads(pathlib.Path(args.prompts_file).read_text()) if args.prompts_file else PROMPTS)[: args.prompts]
                 if warm:  # the first requests pay for lazy initialisation in the workers
                     measure(stub, mode, prompts[:2], 16, args.k, args.temperature, 1)
                     warm = False
+                before = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
                 t = measure(stub, mode, prompts, args.max_new, args.k, args.temperature, args.repeats)
+                after = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
             finally:
                 coordinator.terminate()
                 coordinator.wait()
@@ -170,7 +203,8 @@ def main() -> None:
             print(
                 f"{text:44s} {t['tokens'] / t['seconds']:7.1f} {1000 * t['seconds'] / t['rounds']:9.2f} "
                 f"{t['tokens'] / t['rounds']:10.2f} {t['hits'] / lookups if lookups else 0:8.2f} "
-                f"{t['wait_ms'] / t['rounds']:10.2f}",
+                f"{t['wait_ms'] / t['rounds']:10.2f} {_delta_ms(before[0], after[0], 'verify', per_call=True):9.2f} "
+                f"{_delta_ms(before[1], after[1], None) / t['rounds']:11.2f}",
                 flush=True,
             )
     finally:

@@ -1,0 +1,127 @@
+"""SSD's adaptive sizing, with no gRPC in it: K from observed acceptance, the budget B from
+measured throughput.
+
+- K: the positions a draft token reaches with probability >= 0.1 under the running per-token
+  acceptance a (a^K >= 0.1), capped by the request's K.
+- B: the tree's cost is not free on CPU, and it is paid twice when the draft and the target
+  share cores (measured on the demo pair: a 16-branch build running beside Verify doubled the
+  verify's forward time). Rather than model that, the coordinator measures what matters,
+  milliseconds per emitted token, at its current budget and now and then at a neighbouring
+  budget level, and keeps the faster one. What it learns is shared by all requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from specd import fanout as fanout_lib
+
+# Acceptance prior (per token) before a request has verified anything, and its weight in rounds.
+_PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.7, 2.0
+_DECAY = 0.9  # per round: recent rounds dominate the acceptance estimate
+_REACH = 0.1  # K covers the positions a draft token reaches with probability >= this
+_LEVELS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+_STAY_ROUNDS = 16  # rounds at the chosen level between probes
+_PROBE_ROUNDS = 8  # rounds spent at a neighbouring level
+_EMA = 0.2  # weight of a new round in a level's ms-per-token average
+_MARGIN = 0.97  # a probed level must be this much faster to be adopted
+
+
+@dataclasses.dataclass
+class Sizing:
+    """The budget chosen by measured throughput; one per coordinator, shared by requests."""
+
+    max_budget: int
+    levels: list[int] = dataclasses.field(init=False)
+    current: int = dataclasses.field(init=False)  # index into levels
+    probe: int | None = None  # index being tried, if any
+    probe_down: bool = True  # the next neighbour probe's direction: kept while probes win
+    probes: int = 0  # every third probe jumps: to budget 0 (plain sd), or from 0 back up
+    last_nonzero: int = 0  # index of the last nonzero level kept
+    rounds: int = 0  # rounds since the last decision
+    ms_per_token: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA
+
+    def __post_init__(self) -> None:
+        self.levels = sorted({b for b in _LEVELS if b <= self.max_budget} | {self.max_budget})
+        self.current = self.last_nonzero = len(self.levels) - 1  # start at the configured budget
+
+    @property
+    def budget(self) -> int:
+        return self.levels[self.probe if self.probe is not None else self.current]
+
+    def observe(self, budget: int, round_ms: float, tokens: int) -> None:
+        """One round's wall time and emitted tokens, at the budget it speculated with."""
+        if tokens <= 0 or budget not in self.levels:
+            return
+        sample = round_ms / tokens
+        old = self.ms_per_token.get(budget)
+        self.ms_per_token[budget] = sample if old is None else (1 - _EMA) * old + _EMA * sample
+        self.rounds += 1
+        if self.probe is None and self.rounds >= _STAY_ROUNDS and len(self.levels) > 1:
+            self.probes += 1
+            if self.probes % 3 == 0:
+                # A plateau of nonzero levels (the tree's mere presence slows the target) hides
+                # budget 0 from a neighbour search: try it outright, and from 0 the last good level.
+                self.probe = 0 if self.current != 0 else self.last_nonzero
+            else:
+                step = -1 if self.probe_down else 1
+                if not 0 <= self.current + step < len(self.levels):
+                    step, self.probe_down = -step, not self.probe_down
+                self.probe = self.current + step
+            self.rounds = 0
+            if self.probe == self.current:
+                self.probe = None
+        elif self.probe is not None and self.rounds >= _PROBE_ROUNDS:
+            tried, kept = self.levels[self.probe], self.levels[self.current]
+            if self.ms_per_token.get(tried, math.inf) < _MARGIN * self.ms_per_token.get(kept, math.inf):
+                self.current = self.probe  # and probe further the same way
+                if self.current != 0:
+                    self.last_nonzero = self.current
+            else:
+                self.probe_down = not self.probe_down
+            self.probe, self.rounds = None, 0
+
+
+@dataclasses.dataclass
+class Tuning:
+    """One request's acceptance estimate, and the K and fan-out that follow from it."""
+
+    max_k: int
+    max_budget: int
+    adaptive: bool
+    sizing: Sizing | None = None
+    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
+    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+
+    @property
+    def budget(self) -> int:
+        if not self.adaptive or self.sizing is None:
+            return self.max_budget
+        return min(self.sizing.budget, self.max_budget)
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance, the capped-geometric maximum-likelihood estimate."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe_round(self, num_draft: int, accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.accepted = self.accepted * _DECAY + accepted
+        self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
+
+    def observe_time(self, budget: int, round_ms: float, tokens: int) -> None:
+        if self.adaptive and self.sizing is not None:
+            self.sizing.observe(budget, round_ms, tokens)
+
+    @property
+    def k(self) -> int:
+        """K for the next round: positions reached with probability >= _REACH, within max_k."""
+        if not self.adaptive:
+            return self.max_k
+        a = min(max(self.acceptance, 0.05), 0.99)
+        return max(1, min(self.max_k, math.ceil(math.log(_REACH) / math.log(a))))
+
+    def fanout(self, num_draft: int, vocab_size: int, r: float) -> list[int]:
+        return fanout_lib.allocate(self.acceptance, num_draft, self.budget, vocab_size, r)

@@ -1,0 +1,55 @@
+"""SSD's adaptive sizing (coordinator/ssd_tuning.py): K from acceptance, B from measured throughput."""
+
+from __future__ import annotations
+
+from coordinator.ssd_tuning import Sizing, Tuning
+
+
+def _run(sizing: Sizing, cost, rounds: int) -> list[int]:
+    chosen = []
+    for _ in range(rounds):
+        budget = sizing.budget
+        sizing.observe(budget, cost(budget), tokens=4)
+        chosen.append(sizing.levels[sizing.current])
+    return chosen
+
+
+def test_budget_climbs_down_to_the_fastest_level():
+    # ms per round is lowest at B = 4 (a machine where the tree competes with verification).
+    sizing = Sizing(max_budget=16)
+    assert sizing.budget == 16
+    chosen = _run(sizing, lambda b: 40.0 + abs(b - 4) * 2.0, 400)
+    assert chosen[-1] == 4
+    assert sizing.levels == [0, 1, 2, 4, 8, 12, 16]
+
+
+def test_budget_stays_at_the_top_when_more_branches_pay():
+    sizing = Sizing(max_budget=16)
+    chosen = _run(sizing, lambda b: 60.0 - b, 300)
+    assert chosen[-1] == 16
+
+
+def test_zero_budget_has_one_level():
+    sizing = Sizing(max_budget=0)
+    assert _run(sizing, lambda b: 10.0, 50)[-1] == 0 and sizing.budget == 0
+
+
+def test_k_follows_acceptance():
+    tuning = Tuning(max_k=8, max_budget=16, adaptive=True)
+    for _ in range(30):
+        tuning.observe_round(8, 8)  # everything accepted: a -> 1, K -> max
+    assert tuning.k == 8
+    for _ in range(80):
+        tuning.observe_round(8, 0)  # nothing accepted: K -> 1
+    assert tuning.k == 1
+    assert Tuning(max_k=5, max_budget=16, adaptive=False).k == 5
+
+
+def test_budget_finds_zero_behind_a_plateau():
+    # Measured on a shared 2-core box: any tree beside Verify slowed it alike; only B = 0 (sd) won.
+    sizing = Sizing(max_budget=16)
+    chosen = _run(sizing, lambda b: 50.0 if b == 0 else 65.0, 150)
+    assert chosen[-1] == 0
+    # And back up when speculation pays again.
+    chosen = _run(sizing, lambda b: 65.0 if b == 0 else 50.0 - b / 8, 300)
+    assert chosen[-1] > 0
