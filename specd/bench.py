@@ -64,13 +64,14 @@ def run_specd_mode(stub, prompts: list[str], mode: str, max_new_tokens: int, k: 
 class HFAssisted:
     """transformers `generate(assistant_model=...)` on the same pair, in this process."""
 
-    def __init__(self, target_path: str, draft_path: str, threads: int):
+    def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         transformers.logging.set_verbosity_error()  # generate() warns about its defaults on every call
-        torch.set_num_threads(threads)
+        self.threads = threads  # generate() gets the threads the two workers have together
+        self.worker_threads = worker_threads  # a verify forward is timed as the target worker runs it
         self.tokenizer = AutoTokenizer.from_pretrained(target_path)
         self.target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
         self.draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
@@ -81,6 +82,7 @@ class HFAssisted:
     def run(self, prompts: list[str], max_new_tokens: int) -> ModeRun:
         import torch
 
+        torch.set_num_threads(self.threads)
         run = ModeRun()
         for prompt in prompts:
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
@@ -105,6 +107,7 @@ class HFAssisted:
         import torch
         from transformers import DynamicCache
 
+        torch.set_num_threads(self.worker_threads)
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
         times = []
         with torch.inference_mode():

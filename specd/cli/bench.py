@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 stack, traced_addresses[name] = start_stack(args, env)
                 stacks.append(stack)
         # The in-process baseline gets the threads the two workers have together.
-        hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads)
+        hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads)
         verify_ms = hf.verify_ms(prompts[0], args.num_speculative_tokens)
         runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
         stubs = {name: _stub(addr) for name, addr in {"specd": address, **traced_addresses}.items()}
