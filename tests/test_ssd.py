@@ -84,7 +84,7 @@ def test_greedy_ssd_equals_target_alone(stacks, reference, setting, k):
 
 
 def test_sampled_ssd_with_saguaro_completes(tiny_pair):
-    overrides = dict(ssd_budget=12, ssd_backup="jit", ssd_saguaro_c=0.3)
+    overrides = dict(ssd_budget=12, ssd_backup="jit", ssd_saguaro_c=0.3, ssd_adaptive=False)
     with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
         stub = stack.stub()
         message = request([5, 17, 42, 99], mode=SSD, k=4, max_new_tokens=48, temperature=1.0, seed=42)
@@ -124,7 +124,7 @@ def test_ssd_survives_the_draft_going_away_and_coming_back(tiny_pair, reference)
     model, prompts, greedy = reference
     text = PROMPTS[1]
     message = request(prompts[text], mode=SSD, k=4, max_new_tokens=MAX_NEW)
-    with running_stack(*tiny_pair, coordinator_overrides=dict(ssd_adaptive=False)) as stack:
+    with running_stack(*tiny_pair, coordinator_overrides=dict(ssd_adaptive=False, ssd_backup="jit")) as stack:
         stub = stack.stub()
         assert stub.Generate(message, timeout=CALL_TIMEOUT_S).stats.mode == SSD
         stack.stop_draft()
