@@ -7,7 +7,7 @@ import dataclasses
 import threading
 
 from draft_service.speculation import SpeculationResult, build, draft_distributions, sample_draft_token
-from specd.forward import forward_logits
+from specd.forward import forward_logits, prefill_session
 from specd.models import LoadedModel
 from specd.sampling import SamplingSettings, SparseDist
 from specd.session_cache import SessionStore
@@ -27,13 +27,8 @@ class DraftModelRunner:
         self.max_support = max_support
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
-        session = self.sessions.open(session_id, start)
-        _, feed = session.sync(start, tokens)
-        forward_ms = 0.0
-        if len(feed) > 1:
-            _, forward_ms = forward_logits(self.loaded.model, session.cache, feed[:-1], 1)
-            session.extend(feed[:-1])
-        return len(session.cached_tokens), forward_ms
+        """Cache every committed token but the last; returns (cached tokens, forward ms)."""
+        return prefill_session(self.loaded.model, self.sessions.open(session_id, start), start, tokens)
 
     def propose(
         self,

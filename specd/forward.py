@@ -26,3 +26,13 @@ def warm_up(model) -> None:
     from transformers import DynamicCache
 
     forward_logits(model, DynamicCache(), [0, 0, 0, 0], 1)
+
+
+def prefill_session(model, session, start: int, tokens: list[int]) -> tuple[int, float]:
+    """Cache every committed token but the last (the next forward feeds it); (cached, forward ms)."""
+    _, feed = session.sync(start, tokens)
+    forward_ms = 0.0
+    if len(feed) > 1:
+        _, forward_ms = forward_logits(model, session.cache, feed[:-1], 1)
+        session.extend(feed[:-1])
+    return len(session.cached_tokens), forward_ms

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from specd.forward import forward_logits
+from specd.forward import forward_logits, prefill_session
 from specd.models import LoadedModel
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniforms, logits_to_probs, sparse_to_dense
 from specd.session_cache import SessionStore
@@ -34,13 +34,7 @@ class TargetModelRunner:
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
-        session = self.sessions.open(session_id, start)
-        _, feed = session.sync(start, tokens)
-        forward_ms = 0.0
-        if len(feed) > 1:
-            _, forward_ms = forward_logits(self.loaded.model, session.cache, feed[:-1], 1)
-            session.extend(feed[:-1])
-        return len(session.cached_tokens), forward_ms
+        return prefill_session(self.loaded.model, self.sessions.open(session_id, start), start, tokens)
 
     def verify(
         self,
