@@ -6,28 +6,17 @@ import dataclasses
 
 from specd.config import ConfigError, setting
 from specd.demo import DEMO_DRAFT
-from specd.models import DTYPES
+from specd.worker_config import WorkerConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(WorkerConfig):
     model: str = setting(DEMO_DRAFT, "draft model: a local folder or a hub id")
-    host: str = setting("0.0.0.0", "address to bind the gRPC server to")
     port: int = setting(50053, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(9403, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
-    dtype: str = setting("float32", "weights dtype", choices=tuple(DTYPES))
-    device: str = setting("auto", "torch device: auto, cpu, cuda, cuda:N")
-    threads: int = setting(0, "torch intra-op threads (0 keeps torch's default)")
-    max_sessions: int = setting(64, "most sessions (KV caches) held at once")
-    session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
     max_support: int = setting(64, "at temperature > 0, truncate each q to its top-N tokens")
 
     def validate(self) -> None:
-        if not self.model:
-            raise ConfigError("--model is empty: give a model folder or hub id")
-        if self.max_sessions < 1:
-            raise ConfigError("--max-sessions must be >= 1")
-        if self.session_idle_timeout_s <= 0:
-            raise ConfigError("--session-idle-timeout-s must be > 0")
+        super().validate()
         if self.max_support < 1:
             raise ConfigError("--max-support must be >= 1")
