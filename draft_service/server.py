@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from draft_service.config import DraftConfig
@@ -10,10 +9,9 @@ from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
 from specd.models import load_causal_lm, set_threads
 from specd.forward import warm_up
-from specd.serving import NOT_SERVING, ModelThread, RunningService, create_server, expire_sessions_forever, load_then_serve
-from specd.metrics import WorkerMetrics
+from specd.serving import RunningService
 from specd.session_cache import SessionStore
-from specd.telemetry import SERVICE_NAMES, get_tracer, server_interceptors, tracer_provider_from_env
+from specd.worker_server import start_worker
 from specd.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -30,36 +28,16 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
 
 
 async def start_draft(config: DraftConfig, interceptors: list | None = None, tracer_provider=None) -> RunningService:
-    """tracer_provider: None builds one from the OTEL_* env vars; interceptors: None traces RPCs."""
-    provider = tracer_provider or tracer_provider_from_env(SERVICE_NAMES["draft"])
-    if interceptors is None:
-        interceptors = server_interceptors(provider)
-    thread = ModelThread("draft-model")
-    servicer = DraftServicer(thread)
-    servicer.tracer = get_tracer(provider)
-    servicer.metrics = WorkerMetrics()
-    server, port, health_state = create_server(
-        config.host,
-        config.port,
-        lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s),
-        [SERVICE_NAME],
+    return await start_worker(
+        "draft",
+        config,
+        DraftServicer,
+        draft_pb2_grpc.add_DraftWorkerServicer_to_server,
+        SERVICE_NAME,
+        lambda: load_runner(config),
         interceptors,
+        tracer_provider,
     )
-    service = RunningService(server, port, health_state, thread)
-    service.tracer_provider = provider
-    servicer.metrics.serve_for(service, config.host, config.metrics_port)
-    await health_state.set(NOT_SERVING)
-    await server.start()
-
-    def on_loaded(runner: DraftModelRunner) -> None:
-        servicer.runner = runner
-        servicer.metrics.track_sessions(lambda: len(runner.sessions))
-        service.background.append(
-            asyncio.ensure_future(expire_sessions_forever(thread, runner.expire_idle, every_s=10.0))
-        )
-
-    service.ready = asyncio.ensure_future(load_then_serve(service, lambda: load_runner(config), on_loaded))
-    return service
 
 
 async def serve(config: DraftConfig) -> None:

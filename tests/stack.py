@@ -6,38 +6,18 @@ Tests talk to them through real gRPC channels, as any client would.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import threading
 
 import grpc
 
 from coordinator.config import CoordinatorConfig
-import draft_service.server
-import target_service.server
 from coordinator.server import start_coordinator
 from draft_service.config import DraftConfig
 from draft_service.server import start_draft
 from specd.v1 import coordinator_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.server import start_target
-
-
-@contextlib.contextmanager
-def _recording_servicer(module, class_name: str, sink: list):
-    """While starting a worker, record the servicer it builds (tests reach its runner's sessions)."""
-    original = getattr(module, class_name)
-
-    class Recording(original):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            sink.append(self)
-
-    setattr(module, class_name, Recording)
-    try:
-        yield
-    finally:
-        setattr(module, class_name, original)
 
 
 class ServiceStack:
@@ -72,24 +52,18 @@ class ServiceStack:
         return self
 
     async def _start_target(self, port: int = 0):
-        servicers: list = []
         config = TargetConfig(model=self.target_model, host="127.0.0.1", port=port, metrics_port=-1, device="cpu")
-        with _recording_servicer(target_service.server, "TargetServicer", servicers):
-            service = await start_target(
-                dataclasses.replace(config, **self.target_overrides), tracer_provider=self.tracer_providers.get("target")
-            )
-        service.servicer = servicers[0]  # .runner.sessions: the worker's SessionStore
+        service = await start_target(
+            dataclasses.replace(config, **self.target_overrides), tracer_provider=self.tracer_providers.get("target")
+        )
         await service.ready
         return service
 
     async def _start_draft(self, port: int = 0):
         config = DraftConfig(model=self.draft_model, host="127.0.0.1", port=port, metrics_port=-1, device="cpu")
-        servicers: list = []
-        with _recording_servicer(draft_service.server, "DraftServicer", servicers):
-            service = await start_draft(
-                dataclasses.replace(config, **self.draft_overrides), tracer_provider=self.tracer_providers.get("draft")
-            )
-        service.servicer = servicers[0]  # .runner.sessions: the worker's SessionStore
+        service = await start_draft(
+            dataclasses.replace(config, **self.draft_overrides), tracer_provider=self.tracer_providers.get("draft")
+        )
         await service.ready
         return service
 
