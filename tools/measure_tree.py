@@ -2,6 +2,7 @@
 against a one-token draft step and against copying the prefix KV cache per branch.
 
     python tools/measure_tree.py [--model models/demo/draft] [--threads 1] [--context 256]
+    python tools/measure_tree.py --builds --model models/demo/draft   # whole builds vs Propose
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--builds", action="store_true", help="time whole speculation builds (K = K' = 4) against Propose")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.builds:
+        _builds(args)
+        return
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     else:
@@ -79,6 +84,30 @@ def main() -> None:
         copied = _timed(copied_step, args.repeats)
         print(f"B={branches:2d}: tree step {tree:6.2f} ms ({tree / base:4.2f}x one token)   "
               f"copied-prefix batch {copied:6.2f} ms ({copied / base:4.2f}x)")
+
+
+def _builds(args) -> None:
+    """Draft worker's runner in-process: one Propose of 4 tokens, then builds of B branches."""
+    import threading
+
+    from draft_service.runner import DraftModelRunner
+    from specd.fanout import allocate
+    from specd.models import load_causal_lm
+    from specd.sampling import SamplingSettings
+    from specd.session_cache import SessionStore
+
+    loaded = load_causal_lm(args.model or "models/demo/draft")
+    runner = DraftModelRunner(loaded, SessionStore(8, 300.0), 64)
+    prompt = list(range(10, 10 + args.context))
+    greedy = SamplingSettings(temperature=0.0)
+    runner.prefill("s", 0, prompt)
+    drafts = runner.propose("s", 0, prompt, 4, greedy, 0).draft_tokens
+    propose = _timed(lambda: runner.propose("s", 0, prompt, 4, greedy, 0), args.repeats)
+    print(f"Propose of 4 tokens: {propose:.2f} ms")
+    for budget in (0, 1, 2, 4, 8, 16, 24):
+        fanout = allocate(0.87, 4, budget, loaded.vocab_size, 0.5)
+        ms = _timed(lambda: runner.speculate("s", 0, prompt, drafts, 4, fanout, greedy, 0, 1.0, [], threading.Event()), args.repeats)
+        print(f"build B={budget:2d} {fanout}: {ms:.2f} ms")
 
 
 if __name__ == "__main__":
