@@ -25,7 +25,8 @@ def warm_up(model) -> None:
     """One throwaway forward so that the first request does not pay for lazy initialisation."""
     from transformers import DynamicCache
 
-    forward_logits(model, DynamicCache(), [0, 0, 0, 0], 1)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=model.device), past_key_values=DynamicCache())
 
 
 def prefill_session(model, session, start: int, tokens: list[int]) -> tuple[int, float]:

@@ -81,6 +81,7 @@ def _runner_script(runner) -> None:
 
 def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import specd.forward
     import target_service.runner as runner_module
     from target_service import tensor_parallel as tp
 
@@ -92,7 +93,8 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
         recorded.append(logits.clone())
         return logits, ms
 
-    runner_module.forward_logits = recording_forward
+    # Verify calls the runner module's name; prefill goes through specd.forward's own.
+    runner_module.forward_logits = specd.forward.forward_logits = recording_forward
     config = TargetConfig(model=model, device="cpu", threads=1, tensor_parallel=world, session_idle_timeout_s=1.0,
                           tp_timeout_s=RUNNER_TP_TIMEOUT_S, tp_heartbeat_s=0.2)
     tp._job = job = tp._Job(rank=rank, world_size=world, local_rank=rank)
@@ -130,6 +132,7 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
     """(tp_server is only started here, so that it loads while this test runs.)"""
     import torch.multiprocessing as mp
 
+    import specd.forward
     import target_service.runner as runner_module
     from target_service.server import load_runner
 
@@ -153,6 +156,7 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
 
     single = load_runner(TargetConfig(model=target, device="cpu", threads=1, session_idle_timeout_s=1.0))
     monkeypatch.setattr(runner_module, "forward_logits", recording_forward)
+    monkeypatch.setattr(specd.forward, "forward_logits", recording_forward)
     _runner_script(single)
     single_sessions = {sid: list(s.cached_tokens) for sid, s in single.sessions._sessions.items()}
 
