@@ -47,6 +47,17 @@ class Finish:
     stats: coordinator_pb2.SpeculationStats
 
 
+def _commit(tokens: list[int], committed: list[int], text: TextAssembler, eos_ids: frozenset[int]) -> tuple[list[int], str]:
+    """Commit a round's tokens up to the first stop condition; (tokens committed, stop reason)."""
+    for count, token in enumerate(tokens, 1):
+        committed.append(token)
+        if text.add(token):
+            return tokens[:count], text.stop_string
+        if token in eos_ids:
+            return tokens[:count], "eos"
+    return tokens, ""
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig, target: TargetLink, draft: DraftLink | None):
         self.config = config
@@ -93,6 +104,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         logprobs: list[float] = []
         streamed = 0
         finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_LENGTH, ""
+        eos_ids = frozenset() if request.ignore_eos else facts.eos_token_ids
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         try:
@@ -103,23 +115,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 rounds = sd_rounds(gen, self.target, self.draft)
             async for result in rounds:
                 stats.add(result)
-                committed: list[int] = []
-                for i, token in enumerate(result.tokens):
-                    gen.committed.append(token)
-                    committed.append(token)
-                    if request.return_logprobs:
-                        logprobs.append(result.logprobs[i])
-                    if text.add(token):
-                        finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_STOP, text.stop_string
-                        break
-                    if token in facts.eos_token_ids and not request.ignore_eos:
-                        finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_STOP, "eos"
-                        break
+                committed, stop_reason = _commit(result.tokens, gen.committed, text, eos_ids)
+                if stop_reason:
+                    finish_reason = coordinator_pb2.FINISH_REASON_STOP
+                chunk_logprobs = result.logprobs[: len(committed)] if request.return_logprobs else []
+                logprobs.extend(chunk_logprobs)
                 done = bool(stop_reason) or len(gen.committed) >= gen.max_len
                 end = len(text.text) if done else text.streamable_length()
                 if first_token_s is None and committed:
                     first_token_s = time.perf_counter() - started
-                chunk_logprobs = result.logprobs[: len(committed)] if request.return_logprobs else []
                 yield Chunk(committed, chunk_logprobs, text.text[streamed:end])
                 streamed = max(streamed, end)
                 if done:
