@@ -114,8 +114,14 @@ def target_greedy(target, prompt: list[int], new_tokens: int, eos_id):
 
 
 @torch.no_grad()
-def step_times(target, draft, context: list[int], repeats: int, warmup: int = 10):
-    """Median one-token step time (s) of each model after a `len(context)`-token prefill."""
+def step_times(target, draft, context: list[int], repeats: int, block: int, warmup: int = 10):
+    """Median one-token step time (s) of each model after a `len(context)`-token prefill.
+
+    block > 1: the models are timed in alternating blocks of `block` consecutive steps
+    (each model's step time with its own weights warm in cache, as when the draft runs
+    its K steps back to back; the alternation spreads machine load over both).
+    block == 1: the models alternate every step (each step starts after the other
+    model has run, i.e. with caches disturbed: a pessimistic figure for the draft)."""
     caches = {}
     for name, m in (("draft", draft), ("target", target)):
         c = DynamicCache()
@@ -123,15 +129,18 @@ def step_times(target, draft, context: list[int], repeats: int, warmup: int = 10
         caches[name] = c
     last = torch.tensor([[context[-1]]])
     times = {"draft": [], "target": []}
-    for r in range(warmup + repeats):
+    for name, m in (("draft", draft), ("target", target)):
+        for _ in range(warmup):
+            m(last, past_key_values=caches[name], use_cache=True)
+            crop_to(caches[name], len(context) - 1)
+    for _ in range(max(1, repeats // block)):
         for name, m in (("draft", draft), ("target", target)):
             c = caches[name]
-            t0 = time.perf_counter()
-            m(last, past_key_values=c, use_cache=True)
-            dt = time.perf_counter() - t0
-            crop_to(c, len(context) - 1)
-            if r >= warmup:
-                times[name].append(dt)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                m(last, past_key_values=c, use_cache=True)
+                times[name].append(time.perf_counter() - t0)
+                crop_to(c, len(context) - 1)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -147,6 +156,7 @@ def main(argv=None):
     p.add_argument("-k", "--k", type=int, default=4, help="draft tokens per round")
     p.add_argument("--context", type=int, default=256, help="context for the step-time measurement")
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--block", type=int, default=20, help="consecutive steps per model when timing")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--samples", type=int, default=3, help="greedy completions to print")
     p.add_argument("--json", help="write the results here")
@@ -185,7 +195,9 @@ def main(argv=None):
 
     # step times at a fixed context cut from the first long-enough held-out prompt source
     ctx_prompts = heldout_prompts(tok, Path(args.heldout), 1, args.context, min_file_tokens=args.context * 2)
-    st = step_times(target, draft, ctx_prompts[0][1], args.repeats)
+    st = step_times(target, draft, ctx_prompts[0][1], args.repeats, block=args.block)
+    st1 = step_times(target, draft, ctx_prompts[0][1], args.repeats, block=1)
+    c_alt = st1["draft"] / st1["target"]
     full_rounds = [r for r in all_rounds]
     tokens_per_round = sum(full_rounds) / len(full_rounds)
     proposed = accepted = 0
@@ -206,6 +218,9 @@ def main(argv=None):
         "draft_step_ms": st["draft"] * 1e3,
         "target_step_ms": st["target"] * 1e3,
         "c": c,
+        "step_block": args.block,
+        "alternating_every_step": {"draft_step_ms": st1["draft"] * 1e3, "target_step_ms": st1["target"] * 1e3,
+                                   "c": c_alt},
         "expected_speedup": tokens_per_round / (1 + args.k * c),
         "wall_target_greedy_s": t_ref,
         "wall_speculative_s": t_spec,
@@ -224,6 +239,8 @@ def main(argv=None):
     print(f"{'draft step @%d ctx (ms, median)' % args.context:<38}{st['draft'] * 1e3:>12.3f}")
     print(f"{'target step @%d ctx (ms, median)' % args.context:<38}{st['target'] * 1e3:>12.3f}")
     print(f"{'c = draft / target':<38}{c:>12.3f}   <= 0.15")
+    print(f"{'c, models alternating every step':<38}{c_alt:>12.3f}   "
+          f"({st1['draft'] * 1e3:.2f} / {st1['target'] * 1e3:.2f} ms)")
     print(f"{'identical to target greedy':<38}{str(identical):>12}   True")
     print(f"{'expected speedup tpr/(1+K*c)':<38}{res['expected_speedup']:>12.2f}")
     print(f"{'measured wall speedup (this run)':<38}{res['measured_speedup']:>12.2f}")

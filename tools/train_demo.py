@@ -289,10 +289,15 @@ def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Pat
             bar.write(f"[{name}] step {done}/{steps} train {loss.item():.4f} val {json.dumps(ev)}")
         log.write(json.dumps(rec) + "\n")
         log.flush()
-        if done % args.ckpt_every == 0 and done != steps:
+        stop = args.stop_after is not None and done >= args.stop_after and done != steps
+        if (done % args.ckpt_every == 0 or stop) and done != steps:
             tmp = sdir / "ckpt.pt.tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": done}, tmp)
             os.replace(tmp, ckpt)
+        if stop:
+            bar.close()
+            print(f"[{name}] stopped after step {done} (--stop-after); rerun to resume", flush=True)
+            sys.exit(3)
     bar.close()
     torch.save(model.state_dict(), final)
     if ckpt.exists():
@@ -340,14 +345,16 @@ def main(argv=None):
     p.add_argument("--target-steps", type=int, default=200)
     p.add_argument("--target-batch", type=int, default=8)
     p.add_argument("--target-lr", type=float, default=2e-3)
-    p.add_argument("--draft-shape", default="192x2", help="HIDDENxLAYERS")
-    p.add_argument("--draft-steps", type=int, default=250)
+    p.add_argument("--draft-shape", default="192x1", help="HIDDENxLAYERS")
+    p.add_argument("--draft-steps", type=int, default=300)
     p.add_argument("--draft-batch", type=int, default=8)
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=48, help="validation windows for periodic evals")
     p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="checkpoint and exit once a stage reaches this step (tests resumption)")
     p.add_argument("--stage", default="all", choices=["all", "target", "draft"],
                    help="stop after this stage (all = target, draft, export)")
     args = p.parse_args(argv)
