@@ -10,7 +10,7 @@ from draft_service.speculation import SpeculationCancelled
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
 from specd.telemetry import get_tracer, set_specd, worker_span
 from specd.v1 import draft_pb2, draft_pb2_grpc
-from specd.wire import check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
+from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
 
 MAX_DRAFT_TOKENS = 64
 MAX_BRANCHES = 512  # one tree step feeds this many tokens at most
@@ -41,7 +41,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     async def Prefill(self, request, context):
         try:
             runner = self._ready_runner()
-            _require_session_id(request.session_id)
+            check_session_id(request.session_id)
             tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
             cached, forward_ms = await self._thread.run(
                 runner.prefill, request.session_id, request.committed.start, tokens
@@ -54,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         try:
             runner = self._ready_runner()
             loaded = runner.loaded
-            _require_session_id(request.session_id)
+            check_session_id(request.session_id)
             if not 1 <= request.num_tokens <= MAX_DRAFT_TOKENS:
                 raise InvalidRequest(f"num_tokens must lie in [1, {MAX_DRAFT_TOKENS}], got {request.num_tokens}")
             tokens = check_committed(
@@ -86,7 +86,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         try:
             runner = self._ready_runner()
             loaded = runner.loaded
-            _require_session_id(request.session_id)
+            check_session_id(request.session_id)
             draft_tokens = check_token_ids(request.draft_tokens, loaded.vocab_size, "draft_tokens")
             fanout = list(request.fanout)
             if len(fanout) != len(draft_tokens) + 1:
@@ -181,8 +181,3 @@ def _saguaro(params: draft_pb2.SaguaroParams) -> tuple[float, list[int]]:
     if not 0.0 <= params.c <= 1.0:
         raise InvalidRequest(f"saguaro.c must lie in [0, 1] (1 = off), got {params.c}")
     return params.c, list(params.fanout)
-
-
-def _require_session_id(session_id: str) -> None:
-    if not session_id:
-        raise InvalidRequest("session_id is empty")

@@ -50,6 +50,11 @@ def sparse_from_proto(message: common_pb2.SparseDistribution, vocab_size: int, f
     return SparseDist(token_ids=ids, probs=probs)
 
 
+def check_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidRequest("session_id is empty")
+
+
 def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
     ids = list(ids)
     bad = [i for i in ids if not 0 <= i < vocab_size]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
 from specd.telemetry import get_tracer, set_specd, worker_span
 from specd.v1 import target_pb2, target_pb2_grpc
-from specd.wire import check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
+from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from target_service.runner import TargetModelRunner
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
@@ -31,7 +31,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     async def Prefill(self, request, context):
         try:
             runner = self._ready_runner()
-            _require_session_id(request.session_id)
+            check_session_id(request.session_id)
             tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
             cached, forward_ms = await self._thread.run(
                 runner.prefill, request.session_id, request.committed.start, tokens
@@ -45,7 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         try:
             runner = self._ready_runner()
             loaded = runner.loaded
-            _require_session_id(request.session_id)
+            check_session_id(request.session_id)
             num_draft = len(request.draft_tokens)
             tokens = check_committed(request.committed, loaded.vocab_size, loaded.context_length, num_draft)
             draft_tokens = check_token_ids(request.draft_tokens, loaded.vocab_size, "draft_tokens")
@@ -111,8 +111,3 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             tensor_parallel=self._tensor_parallel,
             tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         )
-
-
-def _require_session_id(session_id: str) -> None:
-    if not session_id:
-        raise InvalidRequest("session_id is empty")
