@@ -22,6 +22,10 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 def load_runner(config: DraftConfig) -> DraftModelRunner:
     set_threads(config.threads)
     loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
+    if loaded.model.get_input_embeddings().weight.shape[0] > loaded.vocab_size:
+        # Checkpoints pad their embeddings past the tokenizer: rows no text maps to. The draft's q
+        # must not propose them (the target refuses ids outside its tokenizer), so drop them.
+        loaded.model.resize_token_embeddings(loaded.vocab_size)
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return DraftModelRunner(loaded, sessions, config.max_support)
