@@ -10,10 +10,13 @@ class TextAssembler:
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: list[str]):
         self._tokenizer = tokenizer
-        self._context = prompt_ids[-_CONTEXT_TOKENS:]
-        self._context_text = self._decode(self._context)
         self._stops = stop_strings
         self._holdback = max((len(s) for s in stop_strings), default=1) - 1
+        # Decode a short window, not the whole output, per token: [_prefix, _read) was decoded
+        # already and only sets the context (spaces, merged bytes) for what follows it.
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix, self._read = 0, len(self._ids)
+        self._settled = ""  # text of the tokens before _read
         self.token_ids: list[int] = []
         self.text = ""
         self.stop_string = ""  # the stop string that ended the text, if any
@@ -24,11 +27,15 @@ class TextAssembler:
     def add(self, token_id: int) -> bool:
         """Append one token; True if a stop string now ends the text (it is cut off)."""
         self.token_ids.append(token_id)
-        full = self._decode(self._context + self.token_ids)
-        if full.startswith(self._context_text):
-            text = full[len(self._context_text) :]
-        else:
-            text = self._decode(self.token_ids)
+        self._ids.append(token_id)
+        window_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        pending = new_text[len(window_text) :]
+        if pending and not pending.endswith("\ufffd"):  # a whole character: settle it
+            self._settled += pending
+            pending = ""
+            self._prefix, self._read = self._read, len(self._ids)
+        text = self._settled + pending
         search_from = max(0, len(self.text) - self._holdback - 1)
         found = [(text.find(s, search_from), s) for s in self._stops]
         found = [(index, s) for index, s in found if index >= 0]
