@@ -146,8 +146,12 @@ async def ssd_rounds(
                 lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
                 if isinstance(entries, DraftFailed):
                     fallback = str(entries)
-                elif entries is not _KNOWN_MISS and entries is not None:
+                elif entries is None:  # gave up waiting: the build outlasts the verification
+                    tuning.observe_build(round_budget, (time.perf_counter() - spec_started) * 1000.0, verify.forward_ms)
+                elif entries is not _KNOWN_MISS:
                     speculate_ms = entries[0].forward_ms if entries else 0.0
+                    if entries:
+                        tuning.observe_build(round_budget, speculate_ms, verify.forward_ms)
                     for entry in entries:
                         if entry.accepted == accepted and entry.next_token == next_token:
                             ready = Drafts(

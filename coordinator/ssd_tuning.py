@@ -8,6 +8,9 @@ measured throughput.
   verify's forward time). Rather than model that, the coordinator measures what matters,
   milliseconds per emitted token, at its current budget and now and then at a neighbouring
   budget level, and keeps the faster one. What it learns is shared by all requests.
+- A level whose measured build takes longer than the measured verification is not tried
+  again from below, and is left at once if it is the current one: a cache that arrives after
+  the verification puts the draft back on the critical path.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Sizing:
     last_nonzero: int = 0  # index of the last nonzero level kept
     rounds: int = 0  # rounds since the last decision
     ms_per_token: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA
+    build_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of the tree build
+    verify_ms: float | None = None  # EMA of the target's verify forward
 
     def __post_init__(self) -> None:
         self.levels = sorted({b for b in _LEVELS if b <= self.max_budget} | {self.max_budget})
@@ -49,6 +54,22 @@ class Sizing:
     @property
     def budget(self) -> int:
         return self.levels[self.probe if self.probe is not None else self.current]
+
+    def fits(self, index: int) -> bool:
+        """Whether level `index`'s build is not known to outlast a verification."""
+        built = self.build_ms.get(self.levels[index])
+        return built is None or self.verify_ms is None or built <= self.verify_ms
+
+    def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
+        """One finished tree build's forward time, and the verification it ran beside."""
+        old = self.build_ms.get(budget)
+        self.build_ms[budget] = build_ms if old is None else (1 - _EMA) * old + _EMA * build_ms
+        self.verify_ms = verify_ms if self.verify_ms is None else (1 - _EMA) * self.verify_ms + _EMA * verify_ms
+        if self.probe is None and self.current > 0 and not self.fits(self.current):
+            self.current -= 1  # too big to hide behind the verification: one level down now
+            self.rounds = 0
+            if self.current != 0:
+                self.last_nonzero = self.current
 
     def observe(self, budget: int, round_ms: float, tokens: int) -> None:
         """One round's wall time and emitted tokens, at the budget it speculated with."""
@@ -66,9 +87,9 @@ class Sizing:
                 self.probe = 0 if self.current != 0 else self.last_nonzero
             else:
                 step = -1 if self.probe_down else 1
-                if not 0 <= self.current + step < len(self.levels):
+                if not 0 <= self.current + step < len(self.levels) or not self.fits(self.current + step):
                     step, self.probe_down = -step, not self.probe_down
-                self.probe = self.current + step
+                self.probe = self.current + step if 0 <= self.current + step < len(self.levels) else self.current
             self.rounds = 0
             if self.probe == self.current:
                 self.probe = None
@@ -114,6 +135,10 @@ class Tuning:
     def observe_time(self, budget: int, round_ms: float, tokens: int) -> None:
         if self.adaptive and self.sizing is not None:
             self.sizing.observe(budget, round_ms, tokens)
+
+    def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
+        if self.adaptive and self.sizing is not None and budget > 0:
+            self.sizing.observe_build(budget, build_ms, verify_ms)
 
     @property
     def k(self) -> int:

@@ -53,3 +53,25 @@ def test_budget_finds_zero_behind_a_plateau():
     # And back up when speculation pays again.
     chosen = _run(sizing, lambda b: 65.0 if b == 0 else 50.0 - b / 8, 300)
     assert chosen[-1] > 0
+
+
+def _run_timed(sizing: Sizing, cost, build_ms, verify_ms: float, rounds: int) -> list[int]:
+    """Like _run, with each nonzero level's build time reported as the loop reports it."""
+    chosen = []
+    for _ in range(rounds):
+        budget = sizing.budget
+        if budget > 0:
+            sizing.observe_build(budget, build_ms(budget), verify_ms)
+        sizing.observe(budget, cost(budget), tokens=4)
+        chosen.append(sizing.levels[sizing.current])
+    return chosen
+
+
+def test_budget_never_settles_on_a_build_longer_than_the_verification():
+    # Throughput alone would pick B = 16, but a 16-branch (or 12-branch) build outlasts the
+    # 20 ms verification: the cache would come late, so those levels are left and not retried.
+    sizing = Sizing(max_budget=16)
+    chosen = _run_timed(sizing, lambda b: 60.0 - b, lambda b: 5.0 + 1.5 * b, 20.0, 400)
+    assert chosen[-1] == 8
+    assert max(chosen[50:]) == 8
+    assert sizing.fits(sizing.levels.index(8)) and not sizing.fits(sizing.levels.index(12))
