@@ -25,7 +25,8 @@ _PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.7, 2.0
 _DECAY = 0.9  # per round: recent rounds dominate the acceptance estimate
 _REACH = 0.1  # K covers the positions a draft token reaches with probability >= this
 _LEVELS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-_STAY_ROUNDS = 16  # rounds at the chosen level between probes
+_STAY_ROUNDS = 16  # rounds at the chosen level between probes, while probes win
+_MAX_STAY_ROUNDS = 128  # each losing probe doubles the wait for the next, up to this
 _PROBE_ROUNDS = 8  # rounds spent at a neighbouring level
 _EMA = 0.2  # weight of a new round in a level's ms-per-token average
 _MARGIN = 0.97  # a probed level must be this much faster to be adopted
@@ -43,6 +44,7 @@ class Sizing:
     probes: int = 0  # every third probe jumps: to budget 0 (plain sd), or from 0 back up
     last_nonzero: int = 0  # index of the last nonzero level kept
     rounds: int = 0  # rounds since the last decision
+    stay_rounds: int = _STAY_ROUNDS  # rounds at the chosen level before the next probe
     ms_per_token: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA
     build_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of the tree build
     verify_ms: float | None = None  # EMA of the target's verify forward
@@ -79,7 +81,7 @@ class Sizing:
         old = self.ms_per_token.get(budget)
         self.ms_per_token[budget] = sample if old is None else (1 - _EMA) * old + _EMA * sample
         self.rounds += 1
-        if self.probe is None and self.rounds >= _STAY_ROUNDS and len(self.levels) > 1:
+        if self.probe is None and self.rounds >= self.stay_rounds and len(self.levels) > 1:
             self.probes += 1
             if self.probes % 3 == 0:
                 # A plateau of nonzero levels (the tree's mere presence slows the target) hides
@@ -99,8 +101,12 @@ class Sizing:
                 self.current = self.probe  # and probe further the same way
                 if self.current != 0:
                     self.last_nonzero = self.current
+                self.stay_rounds = _STAY_ROUNDS
             else:
+                # A settled level is probed away from less and less often: a probe costs rounds
+                # at a worse budget (a probe at 0 loses every cache hit it would have had).
                 self.probe_down = not self.probe_down
+                self.stay_rounds = min(2 * self.stay_rounds, _MAX_STAY_ROUNDS)
             self.probe, self.rounds = None, 0
 
 

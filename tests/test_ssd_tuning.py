@@ -75,3 +75,15 @@ def test_budget_never_settles_on_a_build_longer_than_the_verification():
     assert chosen[-1] == 8
     assert max(chosen[50:]) == 8
     assert sizing.fits(sizing.levels.index(8)) and not sizing.fits(sizing.levels.index(12))
+
+
+def test_probes_thin_out_once_the_budget_has_settled():
+    # B = 8 is clearly best: after the search, probes away from it get rarer (each costs rounds).
+    sizing = Sizing(max_budget=16)
+    budgets = []
+    for _ in range(1200):
+        budget = sizing.budget
+        sizing.observe(budget, 40.0 + abs(budget - 8) * 3.0, tokens=4)
+        budgets.append(budget)
+    assert sizing.levels[sizing.current] == 8
+    assert sum(b != 8 for b in budgets[-600:]) < 600 * 0.1
