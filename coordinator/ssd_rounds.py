@@ -142,17 +142,17 @@ async def ssd_rounds(
             speculate_ms = 0.0
             if spec_task is not None:
                 waited = time.perf_counter()
-                entries = await _collect(spec_task, guesses, (accepted, next_token), config, verify.forward_ms, spec_started)
+                cache = await _collect(spec_task, guesses, (accepted, next_token), config, verify.forward_ms, spec_started)
                 lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
-                if isinstance(entries, DraftFailed):
-                    fallback = str(entries)
-                elif entries is None:  # gave up waiting: the build outlasts the verification
+                if isinstance(cache, DraftFailed):
+                    fallback = str(cache)
+                elif cache is None:  # gave up waiting: the build outlasts the verification
                     tuning.observe_build(round_budget, (time.perf_counter() - spec_started) * 1000.0, verify.forward_ms)
-                elif entries is not _KNOWN_MISS:
-                    speculate_ms = entries[0].forward_ms if entries else 0.0
-                    if entries:
+                elif cache is not _KNOWN_MISS:
+                    speculate_ms = cache.forward_ms
+                    if cache.entries:
                         tuning.observe_build(round_budget, speculate_ms, verify.forward_ms)
-                    for entry in entries:
+                    for entry in cache.entries:
                         if entry.accepted == accepted and entry.next_token == next_token:
                             ready = Drafts(
                                 list(entry.draft_tokens),

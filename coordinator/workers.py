@@ -229,8 +229,8 @@ class DraftLink:
         committed: list[int],
         request: draft_pb2.SpeculateRequest,
         guesses: asyncio.Future,
-    ) -> list[draft_pb2.SpeculationEntry]:
-        """SSD: run Speculate and collect its entries; cancelling the caller cancels the build.
+    ) -> draft_pb2.SpeculationCache:
+        """SSD: run Speculate and return its cache; cancelling the caller cancels the build.
 
         `guesses` gets the set of (k, t*) the cache will hold as soon as the draft knows them,
         one forward into the build.
@@ -238,14 +238,14 @@ class DraftLink:
 
         async def call(tail):
             request.committed.CopyFrom(tail)
-            entries = []
+            cache = draft_pb2.SpeculationCache()  # a build with no branches sends none
             async for message in self._stub.Speculate(request, timeout=self.timeout_s):
                 if message.HasField("guesses"):
                     if not guesses.done():
                         guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
                 else:
-                    entries.append(message.entry)
-            return entries
+                    cache = message.cache
+            return cache
 
         return await self._call(lambda: _synced_call(session, committed, call))
 

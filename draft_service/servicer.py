@@ -139,17 +139,16 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             raise
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
-        for branch in result.branches:
-            yield draft_pb2.SpeculateResponse(
-                entry=draft_pb2.SpeculationEntry(
-                    accepted=branch.accepted,
-                    next_token=branch.next_token,
-                    draft_tokens=branch.draft_tokens,
-                    draft_probs=[sparse_to_proto(d) for d in branch.draft_dists],
-                    forward_ms=result.forward_ms,
-                    branches=len(result.branches),
-                )
+        entries = [
+            draft_pb2.SpeculationEntry(
+                accepted=branch.accepted,
+                next_token=branch.next_token,
+                draft_tokens=branch.draft_tokens,
+                draft_probs=[sparse_to_proto(d) for d in branch.draft_dists],
             )
+            for branch in result.branches
+        ]
+        yield draft_pb2.SpeculateResponse(cache=draft_pb2.SpeculationCache(entries=entries, forward_ms=result.forward_ms))
 
     async def EndSession(self, request, context):
         try:

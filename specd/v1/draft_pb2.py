@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"W\n\x13\x44raftPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\"A\n\x14\x44raftPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\"\xd1\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x13\n\x0bmax_support\x18\x05 \x01(\r\x12(\n\x07saguaro\x18\x06 \x01(\x0b\x32\x17.specd.v1.SaguaroParams\"*\n\rSaguaroParams\x12\t\n\x01\x63\x18\x01 \x01(\x02\x12\x0e\n\x06\x66\x61nout\x18\x02 \x03(\r\"\xf9\x01\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61nout\x18\x05 \x03(\r\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x13\n\x0bmax_support\x18\x07 \x01(\r\x12(\n\x07saguaro\x18\x08 \x01(\x0b\x32\x17.specd.v1.SaguaroParams\"y\n\x11SpeculateResponse\x12/\n\x07guesses\x18\x01 \x01(\x0b\x32\x1c.specd.v1.SpeculationGuessesH\x00\x12+\n\x05\x65ntry\x18\x02 \x01(\x0b\x32\x1a.specd.v1.SpeculationEntryH\x00\x42\x06\n\x04kind\":\n\x12SpeculationGuesses\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x12\n\nnext_token\x18\x02 \x03(\x05\"\xa7\x01\n\x10SpeculationEntry\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x12\n\nforward_ms\x18\x05 \x01(\x02\x12\x10\n\x08\x62ranches\x18\x06 \x01(\r\"n\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\",\n\x16\x44raftEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x17\x44raftEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x12\n\x10\x44raftInfoRequest\"\x84\x01\n\tDraftInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t2\xeb\x02\n\x0b\x44raftWorker\x12H\n\x07Prefill\x12\x1d.specd.v1.DraftPrefillRequest\x1a\x1e.specd.v1.DraftPrefillResponse\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12\x46\n\tSpeculate\x12\x1a.specd.v1.SpeculateRequest\x1a\x1b.specd.v1.SpeculateResponse0\x01\x12Q\n\nEndSession\x12 .specd.v1.DraftEndSessionRequest\x1a!.specd.v1.DraftEndSessionResponse\x12\x37\n\x04Info\x12\x1a.specd.v1.DraftInfoRequest\x1a\x13.specd.v1.DraftInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/draft.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"W\n\x13\x44raftPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\"A\n\x14\x44raftPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\"\xd1\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x13\n\x0bmax_support\x18\x05 \x01(\r\x12(\n\x07saguaro\x18\x06 \x01(\x0b\x32\x17.specd.v1.SaguaroParams\"*\n\rSaguaroParams\x12\t\n\x01\x63\x18\x01 \x01(\x02\x12\x0e\n\x06\x66\x61nout\x18\x02 \x03(\r\"\xf9\x01\n\x10SpeculateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61nout\x18\x05 \x03(\r\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x13\n\x0bmax_support\x18\x07 \x01(\r\x12(\n\x07saguaro\x18\x08 \x01(\x0b\x32\x17.specd.v1.SaguaroParams\"\x7f\n\x11SpeculateResponse\x12/\n\x07guesses\x18\x01 \x01(\x0b\x32\x1c.specd.v1.SpeculationGuessesH\x00\x12+\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x1a.specd.v1.SpeculationCacheH\x00\x42\x06\n\x04kindJ\x04\x08\x02\x10\x03\"S\n\x10SpeculationCache\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.specd.v1.SpeculationEntry\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\":\n\x12SpeculationGuesses\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x12\n\nnext_token\x18\x02 \x03(\x05\"\x8d\x01\n\x10SpeculationEntry\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x1c.specd.v1.SparseDistributionJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"n\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x02 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\",\n\x16\x44raftEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x17\x44raftEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x12\n\x10\x44raftInfoRequest\"\x84\x01\n\tDraftInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t2\xeb\x02\n\x0b\x44raftWorker\x12H\n\x07Prefill\x12\x1d.specd.v1.DraftPrefillRequest\x1a\x1e.specd.v1.DraftPrefillResponse\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12\x46\n\tSpeculate\x12\x1a.specd.v1.SpeculateRequest\x1a\x1b.specd.v1.SpeculateResponse0\x01\x12Q\n\nEndSession\x12 .specd.v1.DraftEndSessionRequest\x1a!.specd.v1.DraftEndSessionResponse\x12\x37\n\x04Info\x12\x1a.specd.v1.DraftInfoRequest\x1a\x13.specd.v1.DraftInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,21 +43,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATEREQUEST']._serialized_start=470
   _globals['_SPECULATEREQUEST']._serialized_end=719
   _globals['_SPECULATERESPONSE']._serialized_start=721
-  _globals['_SPECULATERESPONSE']._serialized_end=842
-  _globals['_SPECULATIONGUESSES']._serialized_start=844
-  _globals['_SPECULATIONGUESSES']._serialized_end=902
-  _globals['_SPECULATIONENTRY']._serialized_start=905
-  _globals['_SPECULATIONENTRY']._serialized_end=1072
-  _globals['_PROPOSERESPONSE']._serialized_start=1074
-  _globals['_PROPOSERESPONSE']._serialized_end=1184
-  _globals['_DRAFTENDSESSIONREQUEST']._serialized_start=1186
-  _globals['_DRAFTENDSESSIONREQUEST']._serialized_end=1230
-  _globals['_DRAFTENDSESSIONRESPONSE']._serialized_start=1232
-  _globals['_DRAFTENDSESSIONRESPONSE']._serialized_end=1274
-  _globals['_DRAFTINFOREQUEST']._serialized_start=1276
-  _globals['_DRAFTINFOREQUEST']._serialized_end=1294
-  _globals['_DRAFTINFO']._serialized_start=1297
-  _globals['_DRAFTINFO']._serialized_end=1429
-  _globals['_DRAFTWORKER']._serialized_start=1432
-  _globals['_DRAFTWORKER']._serialized_end=1795
+  _globals['_SPECULATERESPONSE']._serialized_end=848
+  _globals['_SPECULATIONCACHE']._serialized_start=850
+  _globals['_SPECULATIONCACHE']._serialized_end=933
+  _globals['_SPECULATIONGUESSES']._serialized_start=935
+  _globals['_SPECULATIONGUESSES']._serialized_end=993
+  _globals['_SPECULATIONENTRY']._serialized_start=996
+  _globals['_SPECULATIONENTRY']._serialized_end=1137
+  _globals['_PROPOSERESPONSE']._serialized_start=1139
+  _globals['_PROPOSERESPONSE']._serialized_end=1249
+  _globals['_DRAFTENDSESSIONREQUEST']._serialized_start=1251
+  _globals['_DRAFTENDSESSIONREQUEST']._serialized_end=1295
+  _globals['_DRAFTENDSESSIONRESPONSE']._serialized_start=1297
+  _globals['_DRAFTENDSESSIONRESPONSE']._serialized_end=1339
+  _globals['_DRAFTINFOREQUEST']._serialized_start=1341
+  _globals['_DRAFTINFOREQUEST']._serialized_end=1359
+  _globals['_DRAFTINFO']._serialized_start=1362
+  _globals['_DRAFTINFO']._serialized_end=1494
+  _globals['_DRAFTWORKER']._serialized_start=1497
+  _globals['_DRAFTWORKER']._serialized_end=1860
 # @@protoc_insertion_point(module_scope)

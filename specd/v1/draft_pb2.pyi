@@ -68,12 +68,20 @@ class SpeculateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Union[_common_pb2.CommittedTokens, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fanout: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_support: _Optional[int] = ..., saguaro: _Optional[_Union[SaguaroParams, _Mapping]] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("guesses", "entry")
+    __slots__ = ("guesses", "cache")
     GUESSES_FIELD_NUMBER: _ClassVar[int]
-    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     guesses: SpeculationGuesses
-    entry: SpeculationEntry
-    def __init__(self, guesses: _Optional[_Union[SpeculationGuesses, _Mapping]] = ..., entry: _Optional[_Union[SpeculationEntry, _Mapping]] = ...) -> None: ...
+    cache: SpeculationCache
+    def __init__(self, guesses: _Optional[_Union[SpeculationGuesses, _Mapping]] = ..., cache: _Optional[_Union[SpeculationCache, _Mapping]] = ...) -> None: ...
+
+class SpeculationCache(_message.Message):
+    __slots__ = ("entries", "forward_ms")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[SpeculationEntry]
+    forward_ms: float
+    def __init__(self, entries: _Optional[_Iterable[_Union[SpeculationEntry, _Mapping]]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class SpeculationGuesses(_message.Message):
     __slots__ = ("accepted", "next_token")
@@ -84,20 +92,16 @@ class SpeculationGuesses(_message.Message):
     def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationEntry(_message.Message):
-    __slots__ = ("accepted", "next_token", "draft_tokens", "draft_probs", "forward_ms", "branches")
+    __slots__ = ("accepted", "next_token", "draft_tokens", "draft_probs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
-    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
-    forward_ms: float
-    branches: int
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., branches: _Optional[int] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "draft_probs", "forward_ms")
