@@ -228,8 +228,12 @@ def evaluate(model, data, seq: int, max_windows: int | None = None, teacher=None
     return res
 
 
-def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Path, teacher=None):
-    """Fixed-step AdamW training with checkpoint/resume. Returns the trained model."""
+def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Path, teacher=None,
+                batch_fn=None, loss_from: int = 0, seed_offset: int | None = None):
+    """Fixed-step AdamW training with checkpoint/resume. Returns the trained model.
+
+    batch_fn(step, seed) -> [batch, seq+1] token ids (default: random windows of `data`);
+    only predictions from position `loss_from` on count in the loss."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -256,7 +260,9 @@ def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Pat
         opt.load_state_dict(state["opt"])
         start = state["step"]
         print(f"[{name}] resuming from step {start}", flush=True)
-    seed = args.seed + (0 if teacher is None else 1)
+    seed = args.seed + (seed_offset if seed_offset is not None else (0 if teacher is None else 1))
+    if batch_fn is None:
+        batch_fn = lambda step_, seed_: get_batch(data, step_, seed_, batch, seq)  # noqa: E731
     model.train()
     bar = tqdm(range(start, steps), initial=start, total=steps, desc=name, file=sys.stdout,
                mininterval=10, dynamic_ncols=False, ncols=110)
@@ -265,20 +271,25 @@ def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Pat
         cur_lr = lr_at(step, steps, lr, args.warmup)
         for gr in opt.param_groups:
             gr["lr"] = cur_lr
-        x = get_batch(data, step, seed, batch, seq)
-        logits = model(x[:, :-1]).logits
-        if teacher is None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+        x = batch_fn(step, seed)  # [batch, seq+1], or with the target's top-k as soft targets
+        soft = None
+        if isinstance(x, tuple):
+            x, *soft = x
+        logits = model(x[:, :-1]).logits[:, loss_from:]  # [batch, seq-loss_from, V]
+        if soft is not None:
+            loss = top_k_distillation_loss(logits, *soft)
+        elif teacher is None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, loss_from + 1 :].flatten())
         else:
             with torch.no_grad():
-                t_logp = F.log_softmax(teacher(x[:, :-1]).logits.float(), -1)
+                t_logp = F.log_softmax(teacher(x[:, :-1]).logits[:, loss_from:].float(), -1)
             s_logp = F.log_softmax(logits.float(), -1)
             loss = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()  # forward KL
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        tok0 += x[:, 1:].numel()
+        tok0 += x[:, loss_from + 1 :].numel()
         rate = tok0 / max(1e-9, time.time() - t0)
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{cur_lr:.1e}", tok_s=f"{rate:.0f}")
         rec = {"step": step + 1, "loss": round(loss.item(), 5), "lr": cur_lr, "time": time.time()}
@@ -303,6 +314,77 @@ def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Pat
     if ckpt.exists():
         ckpt.unlink()
     return model
+
+
+def target_continuations(target, data, work: Path, args) -> dict:
+    """The target's own greedy continuations of training windows, with its top-k distribution.
+
+    Batch i continues `--seq-kd-rows` windows of `--seq-kd-prompt` tokens, drawn by a
+    generator seeded by (seed, i), with `--seq-kd-new` greedy tokens (KV cache, no EOS
+    stop). At every generated position the target's top `--seq-kd-topk` log-probabilities
+    are kept as well: the soft targets come free with generation, so the draft's training
+    needs no target forward. Saved after every batch; a killed run resumes at the next.
+
+    Returns ids [R, prompt+new] int16, top_ids [R, new, k] int16, top_logp [R, new, k] float16.
+    """
+    import torch
+
+    path = work / "target_continuations.pt"
+    rows, prompt, new, k = args.seq_kd_rows, args.seq_kd_prompt, args.seq_kd_new, args.seq_kd_topk
+    done = torch.load(path) if path.exists() else {
+        "ids": torch.empty(0, prompt + new, dtype=torch.int16),
+        "top_ids": torch.empty(0, new, k, dtype=torch.int16),
+        "top_logp": torch.empty(0, new, k, dtype=torch.float16),
+    }
+    target.generation_config.eos_token_id = None  # run on past EOT, as training windows do
+    for i in range(done["ids"].shape[0] // rows, args.seq_kd_batches):
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + 7_000_000 + i)
+        starts = torch.randint(0, data.numel() - prompt - 1, (rows,), generator=g)
+        x = data[starts[:, None] + torch.arange(prompt)[None, :]].long()  # [rows, prompt]
+        with torch.inference_mode():
+            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=target.config.pad_token_id, output_logits=True,
+                                  return_dict_in_generate=True)
+        logp = torch.stack(out.logits, 1).float().log_softmax(-1)  # [rows, new, V]
+        top = logp.topk(k, -1)  # [rows, new, k]
+        done = {
+            "ids": torch.cat([done["ids"], out.sequences.to(torch.int16)]),
+            "top_ids": torch.cat([done["top_ids"], top.indices.to(torch.int16)]),
+            "top_logp": torch.cat([done["top_logp"], top.values.to(torch.float16)]),
+        }
+        torch.save(done, path)
+        print(f"[continuations] batch {i + 1}/{args.seq_kd_batches}: {done['ids'].shape[0]} rows", flush=True)
+    return {key: value[: args.seq_kd_batches * rows] for key, value in done.items()}
+
+
+def continuation_batches(continuations: dict, batch: int):
+    """batch_fn for train_stage: `batch` continuations drawn by a generator seeded by (seed, step),
+    as (ids [batch, L] int64, top_ids [batch, new, k] int64, top_logp [batch, new, k] float32)."""
+    import torch
+
+    def draw(step: int, seed: int):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        rows = torch.randint(0, continuations["ids"].shape[0], (batch,), generator=g)
+        return (continuations["ids"][rows].long(), continuations["top_ids"][rows].long(),
+                continuations["top_logp"][rows].float())
+
+    return draw
+
+
+def top_k_distillation_loss(logits, top_ids, top_logp):
+    """Cross-entropy of the draft against the target's top-k distribution, the rest lumped.
+
+    logits: [B, N, V] draft; top_ids, top_logp: [B, N, k] target. Over the partition {each
+    top-k token, everything else} this is KL(p_target || p_draft) up to the target's entropy.
+    """
+    import torch
+
+    s_logp = torch.log_softmax(logits.float(), -1)  # [B, N, V]
+    p_top = top_logp.exp()  # [B, N, k]
+    q_top_logp = s_logp.gather(-1, top_ids)  # [B, N, k]
+    p_rest = (1.0 - p_top.sum(-1)).clamp_min(0.0)  # [B, N]
+    q_rest_logp = torch.log1p(-q_top_logp.exp().sum(-1).clamp(max=1.0 - 1e-6))  # [B, N]
+    return (-(p_top * q_top_logp).sum(-1) - p_rest * q_rest_logp).mean()
 
 
 def round_to_bf16(model):
@@ -349,6 +431,14 @@ def main(argv=None):
     p.add_argument("--draft-steps", type=int, default=300)
     p.add_argument("--draft-batch", type=int, default=8)
     p.add_argument("--draft-lr", type=float, default=3e-3)
+    p.add_argument("--seq-kd-batches", type=int, default=14, help="batches of target continuations")
+    p.add_argument("--seq-kd-rows", type=int, default=96, help="continuations per batch")
+    p.add_argument("--seq-kd-prompt", type=int, default=48, help="prompt tokens per continuation")
+    p.add_argument("--seq-kd-new", type=int, default=160, help="greedy tokens per continuation")
+    p.add_argument("--seq-kd-topk", type=int, default=32, help="target log-probabilities kept per position")
+    p.add_argument("--seq-kd-steps", type=int, default=300, help="draft steps on them (0 = skip the stage)")
+    p.add_argument("--seq-kd-batch", type=int, default=16)
+    p.add_argument("--seq-kd-lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=48, help="validation windows for periodic evals")
@@ -409,6 +499,18 @@ def main(argv=None):
     draft = train_stage("draft", draft, train, valid, args, args.draft_steps, args.draft_lr,
                         args.draft_batch, args.seq, work, teacher=target)
     round_to_bf16(draft)
+    if args.seq_kd_steps > 0:
+        # Sequence-level distillation: the draft is judged on the target's own continuations
+        # (that is what it drafts during generation), so it learns the target's distribution
+        # along them, not only along corpus text.
+        continuations = target_continuations(target, train, work, args)
+        rows, length = continuations["ids"].shape
+        print(f"draft: {args.seq_kd_steps} steps x {args.seq_kd_batch} of {rows} target continuations", flush=True)
+        draft = train_stage("draft_seq_kd", draft, None, valid, args, args.seq_kd_steps, args.seq_kd_lr,
+                            args.seq_kd_batch, length - 1, work, teacher=target,
+                            batch_fn=continuation_batches(continuations, args.seq_kd_batch),
+                            loss_from=args.seq_kd_prompt - 1, seed_offset=2)
+        round_to_bf16(draft)
     if args.stage == "draft":
         return
 
