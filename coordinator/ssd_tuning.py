@@ -45,7 +45,8 @@ class Sizing:
     last_nonzero: int = 0  # index of the last nonzero level kept
     rounds: int = 0  # rounds since the last decision
     stay_rounds: int = _STAY_ROUNDS  # rounds at the chosen level before the next probe
-    ms_per_token: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA
+    round_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of a round's ms
+    round_tokens: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of its tokens
     build_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of the tree build
     verify_ms: float | None = None  # EMA of the target's verify forward
 
@@ -73,13 +74,20 @@ class Sizing:
             if self.current != 0:
                 self.last_nonzero = self.current
 
+    def ms_per_token(self, level: int) -> float:
+        """A level's cost: average round time over average tokens per round (a ratio of
+        averages: an average of per-round ratios would overweight short, missed rounds)."""
+        if level not in self.round_ms:
+            return math.inf
+        return self.round_ms[level] / max(self.round_tokens[level], 1e-9)
+
     def observe(self, budget: int, round_ms: float, tokens: int) -> None:
         """One round's wall time and emitted tokens, at the budget it speculated with."""
         if tokens <= 0 or budget not in self.levels:
             return
-        sample = round_ms / tokens
-        old = self.ms_per_token.get(budget)
-        self.ms_per_token[budget] = sample if old is None else (1 - _EMA) * old + _EMA * sample
+        for averages, sample in ((self.round_ms, round_ms), (self.round_tokens, float(tokens))):
+            old = averages.get(budget)
+            averages[budget] = sample if old is None else (1 - _EMA) * old + _EMA * sample
         self.rounds += 1
         if self.probe is None and self.rounds >= self.stay_rounds and len(self.levels) > 1:
             self.probes += 1
@@ -97,7 +105,7 @@ class Sizing:
                 self.probe = None
         elif self.probe is not None and self.rounds >= _PROBE_ROUNDS:
             tried, kept = self.levels[self.probe], self.levels[self.current]
-            if self.ms_per_token.get(tried, math.inf) < _MARGIN * self.ms_per_token.get(kept, math.inf):
+            if self.ms_per_token(tried) < _MARGIN * self.ms_per_token(kept):
                 self.current = self.probe  # and probe further the same way
                 if self.current != 0:
                     self.last_nonzero = self.current
@@ -120,6 +128,7 @@ class Tuning:
     sizing: Sizing | None = None
     accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
     rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+    previous_budget: int | None = None  # the budget the previous round speculated with
 
     @property
     def budget(self) -> int:
@@ -139,7 +148,11 @@ class Tuning:
         self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
 
     def observe_time(self, budget: int, round_ms: float, tokens: int) -> None:
-        if self.adaptive and self.sizing is not None:
+        """A round's time is spent at its own budget (the tree beside its Verify), but its
+        tokens came from the previous round's (a hit or a miss): only a round whose
+        predecessor speculated with the same budget measures that budget."""
+        previous, self.previous_budget = self.previous_budget, budget
+        if self.adaptive and self.sizing is not None and previous == budget:
             self.sizing.observe(budget, round_ms, tokens)
 
     def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:

@@ -87,3 +87,16 @@ def test_probes_thin_out_once_the_budget_has_settled():
         budgets.append(budget)
     assert sizing.levels[sizing.current] == 8
     assert sum(b != 8 for b in budgets[-600:]) < 600 * 0.1
+
+
+def test_a_round_after_a_budget_change_does_not_measure_either_budget():
+    # Its time belongs to its own budget, its tokens to the previous round's cache.
+    sizing = Sizing(max_budget=8)
+    tuning = Tuning(max_k=4, max_budget=8, adaptive=True, sizing=sizing)
+    tuning.observe_time(8, 30.0, 5)  # a request's first round: drafted by Propose
+    assert sizing.round_ms == {}
+    tuning.observe_time(8, 30.0, 5)
+    tuning.observe_time(0, 20.0, 5)  # drafted from the budget-8 cache: measures neither
+    tuning.observe_time(0, 20.0, 1)
+    assert sizing.round_ms == {8: 30.0, 0: 20.0} and sizing.round_tokens == {8: 5.0, 0: 1.0}
+    assert sizing.ms_per_token(0) == 20.0 and sizing.ms_per_token(8) == 6.0
