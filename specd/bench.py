@@ -102,23 +102,27 @@ class HFAssisted:
             run.outputs.append(new)
         return run
 
-    def verify_ms(self, prompt: str, k: int, repeats: int = 30) -> float:
-        """Median time of one target forward over K+1 tokens after the prompt (KV cache in use)."""
+    def verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int = 5) -> list[float]:
+        """Times of one target forward over K+1 tokens with the KV cache in use, `repeats`
+        per prompt, at the prompt's length plus `context_extra` tokens of context: the middle
+        of a generation, where a verify in the stack runs on average."""
         import torch
         from transformers import DynamicCache
 
         torch.set_num_threads(self.worker_threads)
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
         times = []
         with torch.inference_mode():
-            for _ in range(repeats):
-                cache = DynamicCache()
-                self.target(ids[:, :-1], past_key_values=cache, use_cache=True)
-                block = ids[:, -1:].repeat(1, k + 1)  # [1, K+1]
-                started = time.perf_counter()
-                self.target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)
-                times.append((time.perf_counter() - started) * 1000.0)
-        return statistics.median(times)
+            for prompt in prompts:
+                ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
+                context = ids.repeat(1, 1 + context_extra // ids.shape[1] + 1)[:, : ids.shape[1] + context_extra]  # [1, P+extra]
+                block = context[:, -1:].repeat(1, k + 1)  # [1, K+1]
+                for _ in range(repeats):
+                    cache = DynamicCache()
+                    self.target(context, past_key_values=cache, use_cache=True)
+                    started = time.perf_counter()
+                    self.target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)
+                    times.append((time.perf_counter() - started) * 1000.0)
+        return times
 
 
 def summarize(runs: dict[str, list[ModeRun]]) -> dict:
