@@ -1,8 +1,11 @@
 """Measure ssd against sd and target-only on real worker processes (one torch thread each).
 
-Starts a target and a draft worker once (`specd serve`, --threads 1), then one coordinator per
-setting, runs the same prompts through each and prints per setting: tokens/s, ms per round,
-mean acceptance length, cache hit rate and the time the loop waited on the draft.
+Starts a target and a draft worker once (`specd serve`, --threads 1) and one coordinator per
+setting, runs the same prompts through each, the repeats interleaving the settings, and prints
+per setting: tokens/s (median and spread over the repeats), ms per round, mean acceptance
+length, cache hit rate, the time the loop waited on the draft, the target's verify forward and
+the draft's forwards per round, and each process's CPU milliseconds per round (on a machine
+with as few cores as this one, CPU spent off the critical path still slows it).
 
     python tools/measure_ssd.py --target models/demo/target --draft models/demo/draft
     python tools/measure_ssd.py --tiny             # the tests' tiny pair, built in a temp folder
@@ -20,6 +23,7 @@ import json
 import os
 import pathlib
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -113,11 +117,13 @@ def _parse_setting(text: str) -> tuple[str, dict[str, str]]:
     return mode, overrides
 
 
-def measure(stub, mode: str, prompts: list[str], max_new: int, k: int, temperature: float, repeats: int) -> dict:
+def measure(
+    stub, mode: str, prompts: list[str], max_new: int, k: int, temperature: float, repeats: int, seed_base: int = 0
+) -> dict:
     totals = dict(tokens=0, seconds=0.0, rounds=0, draft_tokens=0, accepted=0, hits=0, misses=0, wait_ms=0.0)
     for repeat in range(repeats):
         for i, prompt in enumerate(prompts):
-            sampling = common_pb2.SamplingParams(temperature=temperature, seed=1000 * repeat + i)
+            sampling = common_pb2.SamplingParams(temperature=temperature, seed=seed_base + 1000 * repeat + i)
             request = pb.GenerateRequest(
                 prompt=prompt,
                 sampling=sampling,
@@ -172,45 +178,63 @@ def main() -> None:
         _serve("target", target_port, "--model", args.target, "--threads", "1", "--device", "cpu", metrics_port=target_metrics),
         _serve("draft", draft_port, "--model", args.draft, "--threads", "1", "--device", "cpu", metrics_port=draft_metrics),
     ]
+    coordinators: list[subprocess.Popen] = []
     try:
         _wait_serving(target_port, workers[0])
         _wait_serving(draft_port, workers[1])
-        print(f"target {args.target}  draft {args.draft}  K={args.k}  T={args.temperature}  max_new={args.max_new}")
-        print(
-            f"{'setting':44s} {'tok/s':>7s} {'ms/round':>9s} {'accept_len':>10s} {'hit_rate':>8s} {'wait_ms/rd':>10s}"
-            f" {'verify_ms':>9s} {'draft_ms/rd':>11s}"
-        )
-        warm = True
+        prompts = (json.loads(pathlib.Path(args.prompts_file).read_text()) if args.prompts_file else PROMPTS)[: args.prompts]
+        # One coordinator per setting, all up at once, so that the repeats can interleave the
+        # settings: drift in the machine's speed then hits every setting alike.
+        stubs = []
         for text in args.settings:
             mode, overrides = _parse_setting(text)
             port = _free_port()
             flags = ["--target-address", f"127.0.0.1:{target_port}", "--draft-address", f"127.0.0.1:{draft_port}"]
-            coordinator = _serve("coordinator", port, *flags, *_flags(overrides))
-            try:
-                _wait_serving(port, coordinator)
-                stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-                prompts = (json.loads(pathlib.Path(args.prompts_file).read_text()) if args.prompts_file else PROMPTS)[: args.prompts]
-                if warm:  # the first requests pay for lazy initialisation in the workers
-                    measure(stub, mode, prompts[:2], 16, args.k, args.temperature, 1)
-                    warm = False
+            coordinators.append(_serve("coordinator", port, *flags, *_flags(overrides)))
+            _wait_serving(port, coordinators[-1])
+            stubs.append((text, mode, coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
+        measure(stubs[0][2], stubs[0][1], prompts[:2], 16, args.k, args.temperature, 1)  # the workers' lazy set-up
+        results: dict[str, list[dict]] = {text: [] for text, _, _ in stubs}
+        for repeat in range(args.repeats):
+            for (text, mode, stub), coordinator in zip(stubs, coordinators):
+                processes = (workers[0], workers[1], coordinator)
+                cpu_before = [_cpu_seconds(p.pid) for p in processes]
                 before = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
-                t = measure(stub, mode, prompts, args.max_new, args.k, args.temperature, args.repeats)
+                t = measure(stub, mode, prompts, args.max_new, args.k, args.temperature, 1, seed_base=1000 * repeat)
                 after = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
-            finally:
-                coordinator.terminate()
-                coordinator.wait()
-            lookups = t["hits"] + t["misses"]
+                t["cpu_ms"] = [1000 * (_cpu_seconds(p.pid) - b) for p, b in zip(processes, cpu_before)]
+                t["verify_ms"] = _delta_ms(before[0], after[0], "verify", per_call=True)
+                t["draft_ms"] = _delta_ms(before[1], after[1], None)
+                results[text].append(t)
+        print(f"target {args.target}  draft {args.draft}  K={args.k}  T={args.temperature}  max_new={args.max_new}  "
+              f"repeats={args.repeats} (interleaved)")
+        print(
+            f"{'setting':44s} {'tok/s':>7s} {'spread':>12s} {'ms/round':>9s} {'accept_len':>10s} {'hit_rate':>8s}"
+            f" {'wait_ms/rd':>10s} {'verify_ms':>9s} {'draft_ms/rd':>11s}  cpu ms/round: target draft coordinator"
+        )
+        for text, runs in results.items():
+            rates = [r["tokens"] / r["seconds"] for r in runs]
+            total = {key: sum(r[key] for r in runs) for key in ("tokens", "seconds", "rounds", "hits", "misses", "wait_ms", "draft_ms")}
+            rounds, lookups = total["rounds"], total["hits"] + total["misses"]
+            cpu = [sum(r["cpu_ms"][i] for r in runs) / rounds for i in range(3)]
             print(
-                f"{text:44s} {t['tokens'] / t['seconds']:7.1f} {1000 * t['seconds'] / t['rounds']:9.2f} "
-                f"{t['tokens'] / t['rounds']:10.2f} {t['hits'] / lookups if lookups else 0:8.2f} "
-                f"{t['wait_ms'] / t['rounds']:10.2f} {_delta_ms(before[0], after[0], 'verify', per_call=True):9.2f} "
-                f"{_delta_ms(before[1], after[1], None) / t['rounds']:11.2f}",
+                f"{text:44s} {statistics.median(rates):7.1f} {min(rates):5.1f}-{max(rates):<6.1f} "
+                f"{1000 * total['seconds'] / rounds:9.2f} {total['tokens'] / rounds:10.2f} "
+                f"{total['hits'] / lookups if lookups else 0:8.2f} {total['wait_ms'] / rounds:10.2f} "
+                f"{statistics.median(r['verify_ms'] for r in runs):9.2f} {total['draft_ms'] / rounds:11.2f}"
+                f"  {cpu[0]:6.2f} {cpu[1]:6.2f} {cpu[2]:6.2f}",
                 flush=True,
             )
     finally:
-        for worker in workers:
-            worker.terminate()
-            worker.wait()
+        for process in [*coordinators, *workers]:
+            process.terminate()
+            process.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
