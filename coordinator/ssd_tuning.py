@@ -68,8 +68,11 @@ class Sizing:
         old = self.build_ms.get(budget)
         self.build_ms[budget] = build_ms if old is None else (1 - _EMA) * old + _EMA * build_ms
         self.verify_ms = verify_ms if self.verify_ms is None else (1 - _EMA) * self.verify_ms + _EMA * verify_ms
-        if self.probe is None and self.current > 0 and not self.fits(self.current):
-            self.current -= 1  # too big to hide behind the verification: one level down now
+        # One level down now, but not to 0 this way: a tree's depth (K forwards) costs more
+        # than its width, so a smaller budget may not fit either, and whether no cache at all
+        # beats a late one is for the measured throughput to tell.
+        if self.probe is None and self.current > 1 and not self.fits(self.current):
+            self.current -= 1
             self.rounds = 0
             if self.current != 0:
                 self.last_nonzero = self.current
