@@ -13,6 +13,9 @@ The recipe (issue 3):
 * target: ``LlamaForCausalLM`` trained with next-token cross-entropy;
 * draft: a much smaller ``LlamaForCausalLM`` distilled from the target's logits
   (forward KL, KL(p_target || p_draft), on the target's full soft distribution);
+* draft, sequence-level: then distilled on the target's own greedy continuations of
+  training windows, against the target's top-k distribution kept from generation
+  (``--seq-kd-*``; what the draft sees when it drafts is the target's output);
 * export: both models in HF format (bf16 weights on disk, same tokenizer files in
   both folders) under ``<out>/target`` and ``<out>/draft``.
 
@@ -232,8 +235,9 @@ def train_stage(name, model, data, valid, args, steps, lr, batch, seq, work: Pat
                 batch_fn=None, loss_from: int = 0, seed_offset: int | None = None):
     """Fixed-step AdamW training with checkpoint/resume. Returns the trained model.
 
-    batch_fn(step, seed) -> [batch, seq+1] token ids (default: random windows of `data`);
-    only predictions from position `loss_from` on count in the loss."""
+    batch_fn(step, seed) -> [batch, seq+1] token ids (default: random windows of `data`), or
+    (ids, top_ids, top_logp) to distil against those soft targets instead of the teacher's
+    forward (see continuation_batches); only predictions from position `loss_from` on count."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
