@@ -147,11 +147,12 @@ async def ssd_rounds(
                 if isinstance(cache, DraftFailed):
                     fallback = str(cache)
                 elif cache is None:  # gave up waiting: the build outlasts the verification
-                    tuning.observe_build(round_budget, (time.perf_counter() - spec_started) * 1000.0, verify.forward_ms)
+                    waited_ms = (time.perf_counter() - spec_started) * 1000.0
+                    tuning.observe_build(round_budget, waited_ms, verify.forward_ms, next_k + 1)
                 elif cache is not _KNOWN_MISS:
                     speculate_ms = cache.forward_ms
                     if cache.entries:
-                        tuning.observe_build(round_budget, speculate_ms, verify.forward_ms)
+                        tuning.observe_build(round_budget, speculate_ms, verify.forward_ms, next_k + 1)
                     for entry in cache.entries:
                         if entry.accepted == accepted and entry.next_token == next_token:
                             ready = Drafts(

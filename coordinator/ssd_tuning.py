@@ -2,7 +2,9 @@
 measured throughput.
 
 - K: the positions a draft token reaches with probability >= 0.1 under the running per-token
-  acceptance a (a^K >= 0.1), capped by the request's K.
+  acceptance a (a^K >= 0.1), capped by the request's K, and, while there is a tree, by the
+  depth whose build fits in a verification: a build is K+1 forwards (step 0 and K tree steps),
+  and a forward's measured time against the verification's bounds K.
 - B: the tree's cost is not free on CPU, and it is paid twice when the draft and the target
   share cores (measured on the demo pair: a 16-branch build running beside Verify doubled the
   verify's forward time). Rather than model that, the coordinator measures what matters,
@@ -49,6 +51,7 @@ class Sizing:
     round_tokens: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of its tokens
     build_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of the tree build
     verify_ms: float | None = None  # EMA of the target's verify forward
+    build_step_ms: float | None = None  # EMA of one build forward (a build's time / its forwards)
 
     def __post_init__(self) -> None:
         self.levels = sorted({b for b in _LEVELS if b <= self.max_budget} | {self.max_budget})
@@ -63,8 +66,17 @@ class Sizing:
         built = self.build_ms.get(self.levels[index])
         return built is None or self.verify_ms is None or built <= self.verify_ms
 
-    def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
-        """One finished tree build's forward time, and the verification it ran beside."""
+    def max_depth(self) -> int | None:
+        """The most tree steps (K) whose build, with its step 0, fits in a verification."""
+        if self.build_step_ms is None or self.verify_ms is None:
+            return None
+        return max(1, int(self.verify_ms / self.build_step_ms) - 1)
+
+    def observe_build(self, budget: int, build_ms: float, verify_ms: float, forwards: int = 1) -> None:
+        """One finished tree build's forward time (`forwards` forwards), and the verification it
+        ran beside."""
+        step = build_ms / max(1, forwards)
+        self.build_step_ms = step if self.build_step_ms is None else (1 - _EMA) * self.build_step_ms + _EMA * step
         old = self.build_ms.get(budget)
         self.build_ms[budget] = build_ms if old is None else (1 - _EMA) * old + _EMA * build_ms
         self.verify_ms = verify_ms if self.verify_ms is None else (1 - _EMA) * self.verify_ms + _EMA * verify_ms
@@ -158,17 +170,20 @@ class Tuning:
         if self.adaptive and self.sizing is not None and previous == budget:
             self.sizing.observe(budget, round_ms, tokens)
 
-    def observe_build(self, budget: int, build_ms: float, verify_ms: float) -> None:
+    def observe_build(self, budget: int, build_ms: float, verify_ms: float, forwards: int) -> None:
         if self.adaptive and self.sizing is not None and budget > 0:
-            self.sizing.observe_build(budget, build_ms, verify_ms)
+            self.sizing.observe_build(budget, build_ms, verify_ms, forwards)
 
     @property
     def k(self) -> int:
-        """K for the next round: positions reached with probability >= _REACH, within max_k."""
+        """K for the next round: positions reached with probability >= _REACH, within max_k and,
+        while a tree is built, within the depth whose build fits in a verification."""
         if not self.adaptive:
             return self.max_k
         a = min(max(self.acceptance, 0.05), 0.99)
-        return max(1, min(self.max_k, math.ceil(math.log(_REACH) / math.log(a))))
+        k = max(1, min(self.max_k, math.ceil(math.log(_REACH) / math.log(a))))
+        depth = self.sizing.max_depth() if self.sizing is not None and self.budget > 0 else None
+        return k if depth is None else min(k, depth)
 
     def fanout(self, num_draft: int, vocab_size: int, r: float) -> list[int]:
         return fanout_lib.allocate(self.acceptance, num_draft, self.budget, vocab_size, r)

@@ -100,3 +100,18 @@ def test_a_round_after_a_budget_change_does_not_measure_either_budget():
     tuning.observe_time(0, 20.0, 1)
     assert sizing.round_ms == {8: 30.0, 0: 20.0} and sizing.round_tokens == {8: 5.0, 0: 1.0}
     assert sizing.ms_per_token(0) == 20.0 and sizing.ms_per_token(8) == 6.0
+
+
+def test_k_shrinks_to_the_depth_whose_build_fits_in_a_verification():
+    sizing = Sizing(max_budget=8)
+    tuning = Tuning(max_k=8, max_budget=8, adaptive=True, sizing=sizing)
+    for _ in range(30):
+        tuning.observe_round(8, 8)  # everything accepted: acceptance alone asks for K = 8
+    assert tuning.k == 8
+    # Builds of 9 forwards at 5 ms each beside a 30 ms verification: 6 forwards fit, K = 5.
+    for _ in range(40):
+        tuning.observe_build(8, 45.0, 30.0, forwards=9)
+    assert sizing.max_depth() == 5 and tuning.k == 5
+    # Without a tree (budget 0) the build does not bound K.
+    sizing.current = 0
+    assert tuning.budget == 0 and tuning.k == 8
