@@ -11,8 +11,9 @@ measured throughput.
   milliseconds per emitted token, at its current budget and now and then at a neighbouring
   budget level, and keeps the faster one. What it learns is shared by all requests.
 - A level whose measured build takes longer than the measured verification is not tried
-  again from below, and is left at once if it is the current one: a cache that arrives after
-  the verification puts the draft back on the critical path.
+  again from below, and is left one level down at once if it is the current one (never down
+  to 0 by this rule): a cache that arrives after the verification puts the draft back on the
+  critical path.
 """
 
 from __future__ import annotations
@@ -86,8 +87,7 @@ class Sizing:
         if self.probe is None and self.current > 1 and not self.fits(self.current):
             self.current -= 1
             self.rounds = 0
-            if self.current != 0:
-                self.last_nonzero = self.current
+            self.last_nonzero = self.current
 
     def ms_per_token(self, level: int) -> float:
         """A level's cost: average round time over average tokens per round (a ratio of
