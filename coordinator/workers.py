@@ -17,6 +17,7 @@ import grpc
 
 from specd.sampling import SamplingSettings, SparseDist
 from specd.serving import GRPC_OPTIONS, StatusError, Unavailable
+from specd.telemetry import trace_metadata
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specd.wire import sampling_to_proto, sparse_to_proto
 
@@ -76,6 +77,12 @@ _KEEPALIVE_OPTIONS = [
 ]
 
 
+def _trace_metadata_source(interceptors: list | None) -> Callable[[], tuple]:
+    """What each worker call sends as metadata: the interceptors carry the traceparent when
+    there are any (tracing records spans); without them the call carries it itself."""
+    return (lambda: ()) if interceptors else trace_metadata
+
+
 def _channel(address: str, interceptors: list | None) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS + _KEEPALIVE_OPTIONS, interceptors=interceptors)
 
@@ -85,6 +92,7 @@ class TargetLink:
         self.address = address
         self.timeout_s = timeout_s
         self._channel = _channel(address, interceptors)
+        self._metadata = _trace_metadata_source(interceptors)
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
 
     def _error(self, exc: grpc.aio.AioRpcError) -> StatusError:
@@ -95,12 +103,12 @@ class TargetLink:
         return StatusError(message, exc.code())
 
     async def info(self, timeout_s: float | None = None) -> target_pb2.TargetInfo:
-        return await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=timeout_s or self.timeout_s)
+        return await self._stub.Info(target_pb2.TargetInfoRequest(), metadata=self._metadata(), timeout=timeout_s or self.timeout_s)
 
     async def prefill(self, session: WorkerSession, committed: list[int]) -> target_pb2.TargetPrefillResponse:
         async def call(tail):
             request = target_pb2.TargetPrefillRequest(session_id=session.session_id, committed=tail)
-            return await self._stub.Prefill(request, timeout=self.timeout_s)
+            return await self._stub.Prefill(request, metadata=self._metadata(), timeout=self.timeout_s)
 
         try:
             return await _synced_call(session, committed, call)
@@ -125,7 +133,7 @@ class TargetLink:
                 sampling=sampling_to_proto(sampling),
                 return_logprobs=return_logprobs,
             )
-            return await self._stub.Verify(request, timeout=self.timeout_s)
+            return await self._stub.Verify(request, metadata=self._metadata(), timeout=self.timeout_s)
 
         try:
             return await _synced_call(session, committed, call)
@@ -133,7 +141,7 @@ class TargetLink:
             raise self._error(exc) from None
 
     async def end_session(self, session_id: str) -> None:
-        await self._stub.EndSession(target_pb2.TargetEndSessionRequest(session_id=session_id), timeout=5.0)
+        await self._stub.EndSession(target_pb2.TargetEndSessionRequest(session_id=session_id), metadata=self._metadata(), timeout=5.0)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -147,6 +155,7 @@ class DraftLink:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._channel = _channel(address, interceptors)
+        self._metadata = _trace_metadata_source(interceptors)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
         self.info: draft_pb2.DraftInfo | None = None
         self.expected_fingerprint = ""
@@ -157,7 +166,7 @@ class DraftLink:
     async def check(self, timeout_s: float = 2.0) -> bool:
         """Ask the draft for its Info; usable only if it shares the target's tokenizer."""
         try:
-            info = await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=timeout_s)
+            info = await self._stub.Info(draft_pb2.DraftInfoRequest(), metadata=self._metadata(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
             return False
@@ -197,7 +206,7 @@ class DraftLink:
     async def prefill(self, session: WorkerSession, committed: list[int]) -> draft_pb2.DraftPrefillResponse:
         async def call(tail):
             request = draft_pb2.DraftPrefillRequest(session_id=session.session_id, committed=tail)
-            return await self._stub.Prefill(request, timeout=self.timeout_s)
+            return await self._stub.Prefill(request, metadata=self._metadata(), timeout=self.timeout_s)
 
         return await self._call(lambda: _synced_call(session, committed, call))
 
@@ -219,7 +228,7 @@ class DraftLink:
                 max_support=max_support,
                 saguaro=saguaro,
             )
-            return await self._stub.Propose(request, timeout=self.timeout_s)
+            return await self._stub.Propose(request, metadata=self._metadata(), timeout=self.timeout_s)
 
         return await self._call(lambda: _synced_call(session, committed, call))
 
@@ -239,7 +248,7 @@ class DraftLink:
         async def call(tail):
             request.committed.CopyFrom(tail)
             cache = draft_pb2.SpeculationCache()  # a build with no branches sends none
-            async for message in self._stub.Speculate(request, timeout=self.timeout_s):
+            async for message in self._stub.Speculate(request, metadata=self._metadata(), timeout=self.timeout_s):
                 if message.HasField("guesses"):
                     if not guesses.done():
                         guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
@@ -250,7 +259,7 @@ class DraftLink:
         return await self._call(lambda: _synced_call(session, committed, call))
 
     async def end_session(self, session_id: str) -> None:
-        await self._stub.EndSession(draft_pb2.DraftEndSessionRequest(session_id=session_id), timeout=5.0)
+        await self._stub.EndSession(draft_pb2.DraftEndSessionRequest(session_id=session_id), metadata=self._metadata(), timeout=5.0)
 
     async def close(self) -> None:
         await self._channel.close()

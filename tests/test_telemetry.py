@@ -251,3 +251,18 @@ def test_long_lived_work_is_parented_by_the_request_and_linked_from_rounds():
     calls = [s for s in exporter.get_finished_spans() if s.name == "worker_call"]
     parents = {s.parent.span_id for s in calls}
     assert parents == {spans["spec_round"].context.span_id} | {s.context.span_id for s in summary}
+
+
+def test_without_an_exporter_calls_carry_the_traceparent_themselves(clean_env):
+    # No exporter: spans only carry ids, so no gRPC interceptors (they cost every call), and a
+    # worker call made inside a request carries the request's traceparent as plain metadata.
+    idle = telemetry.tracer_provider_from_env("specd-coordinator")
+    assert not telemetry.records_spans(idle)
+    assert telemetry.server_interceptors(idle) == [] and telemetry.client_interceptors(idle) == []
+    with telemetry.get_tracer(idle).start_as_current_span("llm_request") as span:
+        metadata = dict(telemetry.trace_metadata())
+        assert metadata["traceparent"].split("-")[1] == telemetry.trace_id_hex(span) != ""
+    assert telemetry.trace_metadata() == ()  # outside a request (start-up probes): nothing
+    recording = TracerProvider()
+    assert telemetry.records_spans(recording) and telemetry.client_interceptors(recording)
+    assert telemetry.server_interceptors(recording)
