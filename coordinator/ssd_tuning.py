@@ -112,9 +112,11 @@ class Sizing:
                 self.probe = 0 if self.current != 0 else self.last_nonzero
             else:
                 step = -1 if self.probe_down else 1
-                if not 0 <= self.current + step < len(self.levels) or not self.fits(self.current + step):
-                    step, self.probe_down = -step, not self.probe_down
-                self.probe = self.current + step if 0 <= self.current + step < len(self.levels) else self.current
+                neighbour = self.current + step
+                if not (0 <= neighbour < len(self.levels) and self.fits(neighbour)):
+                    self.probe_down = not self.probe_down  # that way is closed: the other one
+                    neighbour = self.current - step
+                self.probe = neighbour if 0 <= neighbour < len(self.levels) else self.current
             self.rounds = 0
             if self.probe == self.current:
                 self.probe = None

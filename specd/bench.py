@@ -114,7 +114,9 @@ class HFAssisted:
         with torch.inference_mode():
             for prompt in prompts:
                 ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
-                context = ids.repeat(1, 1 + context_extra // ids.shape[1] + 1)[:, : ids.shape[1] + context_extra]  # [1, P+extra]
+                # Any tokens time the same: the prompt repeated to the length wanted.
+                length = ids.shape[1] + context_extra
+                context = ids.repeat(1, -(-length // ids.shape[1]))[:, :length]  # [1, P+extra]
                 block = context[:, -1:].repeat(1, k + 1)  # [1, K+1]
                 for _ in range(repeats):
                     cache = DynamicCache()
