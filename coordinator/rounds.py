@@ -31,6 +31,7 @@ class Generation:
     return_logprobs: bool
     max_len: int  # committed may grow to this many tokens
     trace: RoundTrace = dataclasses.field(default_factory=RoundTrace)  # the request's round spans
+    target_prefill: asyncio.Future | None = None  # the prompt's prefill, until round 0 awaits it
     target_session: WorkerSession = dataclasses.field(init=False)
     draft_session: WorkerSession = dataclasses.field(init=False)
 
@@ -59,20 +60,32 @@ class RoundResult:
     speculate_ms: float = 0.0  # the draft worker's forwards for those branches
 
 
-async def prefill(gen: Generation, target: TargetLink, draft: DraftLink | None) -> str:
-    """Fill both workers' caches with the prompt; returns a fallback reason if the draft failed."""
-    calls = [target.prefill(gen.target_session, gen.committed)]
-    use_draft = gen.mode != "off" and draft is not None and await draft.usable()
-    if use_draft:
-        calls.append(draft.prefill(gen.draft_session, gen.committed))
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    if isinstance(results[0], BaseException):
-        raise results[0]
-    if use_draft and isinstance(results[1], DraftFailed):
-        return str(results[1])
-    if use_draft and isinstance(results[1], BaseException):
-        raise results[1]
-    return ""
+def start_target_prefill(gen: Generation, target: TargetLink) -> None:
+    """Start filling the target's cache with the prompt; round 0 awaits it before verifying.
+
+    Meanwhile round 0 drafts: its Propose feeds the prompt to the draft and drafts in one call,
+    so the draft's prefill and first draft cost no time beside the target's prefill.
+    """
+    gen.target_prefill = asyncio.ensure_future(target.prefill(gen.target_session, gen.committed))
+
+
+async def target_prefilled(gen: Generation) -> None:
+    """Wait for the target's prefill, if one is under way; raises what it raised."""
+    if gen.target_prefill is not None:
+        prefill, gen.target_prefill = gen.target_prefill, None
+        await prefill
+
+
+def drop_target_prefill(gen: Generation) -> None:
+    """Cancel a prefill nobody will await (the request ended first), retrieving any error."""
+    prefill, gen.target_prefill = gen.target_prefill, None
+    if prefill is None:
+        return
+    if prefill.done():
+        if not prefill.cancelled():
+            prefill.exception()
+    else:
+        prefill.cancel()
 
 
 async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None) -> AsyncIterator[RoundResult]:
@@ -108,6 +121,7 @@ async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None
             draft_wait_ms = (time.perf_counter() - started) * 1000.0
         else:
             fallback = draft.last_error if draft is not None else "no draft worker is configured"
+    await target_prefilled(gen)
     verify = await target.verify(
         gen.target_session, gen.committed, draft_tokens, draft_dists, gen.sampling, gen.return_logprobs
     )

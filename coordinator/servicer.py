@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from coordinator.config import CoordinatorConfig
 from coordinator.request import ResolvedRequest, TargetFacts, resolve
-from coordinator.rounds import Generation, prefill, sd_rounds
+from coordinator.rounds import Generation, drop_target_prefill, sd_rounds, start_target_prefill
 from coordinator.ssd_rounds import ssd_rounds
 from coordinator.ssd_tuning import Sizing
 from coordinator.round_trace import RoundTrace, llm_request, record_request, record_response
@@ -108,7 +108,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         try:
-            stats.fallback_reason = await prefill(gen, self.target, self.draft)
+            start_target_prefill(gen, self.target)
             if mode == "ssd":
                 rounds = ssd_rounds(gen, self.target, self.draft, self.config, self.ssd_sizing)
             else:
@@ -130,6 +130,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     await rounds.aclose()
                     break
         finally:
+            drop_target_prefill(gen)
             self._end_sessions(gen.session_id)
             gen.trace.close()
             if self.metrics is not None:

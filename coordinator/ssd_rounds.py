@@ -25,7 +25,7 @@ from typing import AsyncIterator
 
 from coordinator.backup import one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
-from coordinator.rounds import Generation, RoundResult
+from coordinator.rounds import Generation, RoundResult, target_prefilled
 from coordinator.ssd_tuning import Sizing, Tuning
 from coordinator.workers import DraftFailed, DraftLink, TargetLink
 from specd.sampling import SparseDist
@@ -105,6 +105,7 @@ async def ssd_rounds(
                 draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
             ready, ready_at, ready_wait_ms = None, -1, 0.0
 
+            await target_prefilled(gen)
             verify_task = asyncio.ensure_future(
                 target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
             )

@@ -203,13 +203,6 @@ class DraftLink:
             self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
             raise DraftFailed(self.last_error) from None
 
-    async def prefill(self, session: WorkerSession, committed: list[int]) -> draft_pb2.DraftPrefillResponse:
-        async def call(tail):
-            request = draft_pb2.DraftPrefillRequest(session_id=session.session_id, committed=tail)
-            return await self._stub.Prefill(request, metadata=self._metadata(), timeout=self.timeout_s)
-
-        return await self._call(lambda: _synced_call(session, committed, call))
-
     async def propose(
         self,
         session: WorkerSession,

@@ -115,3 +115,44 @@ class ServiceStack:
                     pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+GATE_TIMEOUT_S = 60.0  # a held call goes on by itself after this: a failing test never hangs
+
+
+class RunnerGate:
+    """Holds a worker runner's next `name` call on its model thread until released: a fixed point mid-request."""
+
+    def __init__(self, runner, name: str):
+        self._runner = runner
+        self._name = name
+        self._original = getattr(runner, name)
+        self.held = threading.Event()
+        self._release = threading.Event()
+        setattr(runner, name, self._call)  # the servicer looks the method up on every call
+
+    def _call(self, *args, **kwargs):
+        if not self._release.is_set():
+            self.held.set()
+            self._release.wait(GATE_TIMEOUT_S)
+        return self._original(*args, **kwargs)
+
+    def release(self) -> None:
+        self._release.set()
+        setattr(self._runner, self._name, self._original)
+
+
+def verify_gate(runner) -> RunnerGate:
+    return RunnerGate(runner, "verify")
+
+
+def count_calls(runner, name: str) -> list[int]:
+    count = [0]
+    original = getattr(runner, name)
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(runner, name, counted)
+    return count

@@ -7,7 +7,6 @@ UNAVAILABLE promptly, and a cancelled request frees its sessions on both workers
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import grpc
@@ -26,7 +25,7 @@ from tests.conftest import (
     request,
     running_stack,
 )
-from tests.stack import ServiceStack
+from tests.stack import RunnerGate, ServiceStack, count_calls, verify_gate
 
 PROMPT = "def add(a, b):"
 UNAVAILABLE_WITHIN_S = 5.0  # "promptly": a hang would run into the 10 s client deadline instead
@@ -95,58 +94,20 @@ def test_draft_down_falls_back_to_target_only_then_recovers(stack, reference):
     assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=CALL_TIMEOUT_S).draft_available
 
 
-class _Gate:
-    """Holds a worker runner's next `name` call on its model thread until released: a fixed point mid-request."""
-
-    def __init__(self, runner, name: str):
-        self._runner = runner
-        self._name = name
-        self._original = getattr(runner, name)
-        self.held = threading.Event()
-        self._release = threading.Event()
-        setattr(runner, name, self._call)  # the servicer looks the method up on every call
-
-    def _call(self, *args, **kwargs):
-        if not self._release.is_set():
-            self.held.set()
-            self._release.wait(CALL_TIMEOUT_S)
-        return self._original(*args, **kwargs)
-
-    def release(self) -> None:
-        self._release.set()
-        setattr(self._runner, self._name, self._original)
-
-
-def _VerifyGate(runner) -> _Gate:
-    return _Gate(runner, "verify")
-
-
-def _count_calls(runner, name: str) -> list[int]:
-    count = [0]
-    original = getattr(runner, name)
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    setattr(runner, name, counted)
-    return count
-
-
 def test_draft_restart_mid_request_keeps_the_result_exact(stack, reference):
     """The draft worker restarts (losing every session) while a request waits on the target."""
     model, ids, greedy = reference
     stub = stack.stub()
     call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
     messages = [next(call)]
-    gate = _VerifyGate(stack.target.servicer.runner)
+    gate = verify_gate(stack.target.servicer.runner)
     assert gate.held.wait(5.0)
     assert _sessions(stack.draft) == 1
     old_draft = stack.draft
     stack.stop_draft()
     stack.restart_draft()
     assert stack.draft is not old_draft and _sessions(stack.draft) == 0
-    proposals = _count_calls(stack.draft.servicer.runner, "propose")
+    proposals = count_calls(stack.draft.servicer.runner, "propose")
     gate.release()
     messages.extend(call)
     final = messages[-1]
@@ -164,12 +125,12 @@ def test_lost_target_session_mid_request_is_resent(stack, reference):
     stub = stack.stub()
     call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
     messages = [next(call)]
-    gate = _VerifyGate(stack.target.servicer.runner)
+    gate = verify_gate(stack.target.servicer.runner)
     assert gate.held.wait(5.0)
     store = stack.target.servicer.runner.sessions
     (session_id,) = list(store._sessions)
     assert store.end(session_id)  # as if it had expired while the Verify was on its way
-    prefills = _count_calls(stack.target.servicer.runner, "prefill")
+    prefills = count_calls(stack.target.servicer.runner, "prefill")
     gate.release()
     messages.extend(call)
     tokens = [t for m in messages for t in m.token_ids]
@@ -184,13 +145,13 @@ def test_target_restart_between_rounds_keeps_the_result_exact(stack, reference):
     stub = stack.stub()
     call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
     messages = [next(call)]
-    gate = _Gate(stack.draft.servicer.runner, "propose")
+    gate = RunnerGate(stack.draft.servicer.runner, "propose")
     assert gate.held.wait(5.0)
     old_target = stack.target
     stack.stop_target()
     stack.restart_target()
     assert stack.target is not old_target and _sessions(stack.target) == 0
-    verifies = _count_calls(stack.target.servicer.runner, "verify")
+    verifies = count_calls(stack.target.servicer.runner, "verify")
     gate.release()
     messages.extend(call)
     tokens = [t for m in messages for t in m.token_ids]
@@ -268,7 +229,7 @@ def test_cancelled_stream_frees_sessions_on_both_workers(stack, reference, after
         next(call)
     gate = None
     if hold_verify:  # cancel while a Verify runs on the target: the session must still go
-        gate = _VerifyGate(stack.target.servicer.runner)
+        gate = verify_gate(stack.target.servicer.runner)
         assert gate.held.wait(5.0)
     assert _sessions(stack.target) == 1 and _sessions(stack.draft) == 1
     call.cancel()
@@ -290,7 +251,7 @@ def test_cancelled_unary_requests_free_sessions(stack, reference):
     stub = stack.stub()
     futures = [stub.Generate.future(request(ids, max_new_tokens=400, k=k), timeout=CALL_TIMEOUT_S) for k in (1, 4)]
     assert _wait_for(lambda: _sessions(stack.target) == 2, 5.0)
-    gate = _VerifyGate(stack.target.servicer.runner)
+    gate = verify_gate(stack.target.servicer.runner)
     assert gate.held.wait(5.0)
     for future in futures:
         future.cancel()
@@ -302,7 +263,7 @@ def test_cancelled_unary_requests_free_sessions(stack, reference):
 def test_client_deadline_frees_sessions(stack, reference):
     _, ids, _ = reference
     stub = stack.stub()
-    gate = _VerifyGate(stack.target.servicer.runner)
+    gate = verify_gate(stack.target.servicer.runner)
     with pytest.raises(grpc.RpcError) as raised:
         stub.Generate(request(ids, max_new_tokens=400), timeout=0.5)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tests.conftest import (
     request,
     running_stack,
 )
+from tests.stack import RunnerGate
 
 MAX_NEW = 48
 PROMPTS = [
@@ -80,6 +82,33 @@ def test_greedy_equals_target_alone(stub, reference, mode, k):
             assert response.stats.rounds < MAX_NEW  # the draft saved target forwards
         else:
             assert response.stats.rounds == MAX_NEW and response.stats.draft_tokens == 0
+
+
+@pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_SSD], ids=["sd", "ssd"])
+def test_first_draft_is_made_while_the_target_prefills(stack, stub, reference, mode, monkeypatch):
+    """Round 0's Propose feeds the prompt to the draft and drafts while the target's prefill
+    is held on its model thread; no separate draft Prefill is sent."""
+    model, _, prompts, greedy = reference
+    text = PROMPTS[2]
+    draft_runner = stack.draft.servicer.runner
+    calls: list[str] = []
+    for name in ("prefill", "propose"):
+        original = getattr(draft_runner, name)
+        monkeypatch.setattr(draft_runner, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
+    gate = RunnerGate(stack.target.servicer.runner, "prefill")
+    try:
+        future = stub.Generate.future(request(prompts[text], mode=mode, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
+        assert gate.held.wait(CALL_TIMEOUT_S), "the target's prefill never ran"
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls[:1] == ["propose"], f"draft calls while the target prefilled: {calls}"
+    finally:
+        gate.release()
+    response = future.result()
+    assert "prefill" not in calls
+    assert response.stats.mode == mode and not response.stats.fallback_reason
+    assert_greedy_equal_or_near_tie(model, prompts[text], list(response.token_ids), greedy[text])
 
 
 def test_text_prompt_equals_token_prompt(stub, reference):
