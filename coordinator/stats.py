@@ -25,6 +25,7 @@ class RequestStats:
     cache_hits: int = 0
     cache_misses: int = 0
     draft_wait_ms: float = 0.0
+    verify_ms: float = 0.0
     fallback_reason: str = ""
 
     def add(self, result: RoundResult) -> None:
@@ -32,6 +33,7 @@ class RequestStats:
         self.draft_tokens += result.num_draft
         self.accepted_tokens += result.accepted
         self.draft_wait_ms += result.draft_wait_ms
+        self.verify_ms += result.verify_ms
         if result.num_draft:
             self.speculative_rounds += 1
         if len(self.accepted_per_position) < result.accepted:
@@ -66,5 +68,6 @@ class RequestStats:
             cache_misses=self.cache_misses,
             cache_hit_rate=self.cache_hits / lookups if lookups else 0.0,
             draft_wait_ms=self.draft_wait_ms,
+            verify_ms=self.verify_ms,
             seed=self.seed,
         )

@@ -27,6 +27,7 @@ class ModeRun:
     accepted_tokens: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
+    verify_ms: float = 0.0  # the target's verify forwards, from the responses' stats
     outputs: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
@@ -57,6 +58,7 @@ def run_specd_mode(stub, prompts: list[str], mode: str, max_new_tokens: int, k: 
         run.accepted_tokens += response.stats.accepted_tokens
         run.cache_hits += response.stats.cache_hits
         run.cache_misses += response.stats.cache_misses
+        run.verify_ms += response.stats.verify_ms
         run.outputs.append(list(response.token_ids))
     return run
 
@@ -137,6 +139,7 @@ def summarize(runs: dict[str, list[ModeRun]]) -> dict:
         accepted = sum(r.accepted_tokens for r in mode_runs)
         lookups = sum(r.cache_hits + r.cache_misses for r in mode_runs)
         tokens = sum(r.tokens for r in mode_runs)
+        seconds = sum(r.seconds for r in mode_runs)
         speculative = mode in ("sd", "ssd")
         modes[mode] = {
             "tokens_per_s": statistics.median(rates),
@@ -145,6 +148,10 @@ def summarize(runs: dict[str, list[ModeRun]]) -> dict:
             "acceptance_rate": accepted / draft if draft else None,
             "tokens_per_round": tokens / rounds if rounds else None,
             "cache_hit_rate": sum(r.cache_hits for r in mode_runs) / lookups if lookups else None,
+            # Where a round's time goes in the stack: its wall time (prefill included) and the
+            # target's verify forward in it; the rest is the draft, RPCs and the event loops.
+            "ms_per_round": seconds * 1000.0 / rounds if rounds else None,
+            "verify_ms_per_round": sum(r.verify_ms for r in mode_runs) / rounds if rounds else None,
         }
         if not speculative:
             modes[mode]["acceptance_rate"] = modes[mode]["acceptance_rate"] if draft else None

@@ -36,5 +36,10 @@ def test_bench_runs_every_mode_and_writes_the_json(tiny_pair, tmp_path):
     assert result["modes"]["sd"]["tokens_per_round"] >= 1.0
     assert result["verify_ms"] > 0 and result["sd_tokens_per_round"] == result["modes"]["sd"]["tokens_per_round"]
     assert result["ssd_limit_tokens_per_s"] == result["sd_tokens_per_round"] / (result["verify_ms"] / 1000.0)
+    for mode in ("off", "sd", "ssd"):
+        figures = result["modes"][mode]
+        assert figures["ms_per_round"] > figures["verify_ms_per_round"] > 0, mode
+    assert result["modes"]["hf_assisted"]["ms_per_round"] is None
     assert result["identical_outputs"] is True
-    assert "ssd reached" in run.stdout and "greedy outputs identical across specd modes: yes" in run.stdout
+    assert "ssd reached" in run.stdout and "per round in the stack" in run.stdout
+    assert "greedy outputs identical across specd modes: yes" in run.stdout

@@ -138,6 +138,7 @@ def test_every_acceptance_count_occurs_and_stats_agree(stub, reference):
         assert per_position == [sum(k > j for k in ks) for j in range(k_max)]
         assert stats.mean_acceptance_length == pytest.approx(1 + sum(ks) / len(ks))
         assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.draft_tokens)
+        assert stats.verify_ms > 0  # the target's forwards, summed over the rounds
     assert seen == set(range(k_max + 1)), f"acceptance counts seen: {sorted(seen)}"
 
 

@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"ssd limit = sd tokens/round {sd_tokens_per_round:.2f} / verify {verify_ms:.2f} ms = {limit:.1f} tok/s")
         if "ssd" in summary["modes"]:
             print(f"ssd reached {summary['modes']['ssd']['tokens_per_s'] / limit:.0%} of its limit")
+    per_round = [f"{mode} {m['ms_per_round']:.2f} ms (verify forward {m['verify_ms_per_round']:.2f} ms)"
+                 for mode, m in summary["modes"].items() if m.get("ms_per_round")]
+    if per_round:
+        print("per round in the stack, prefill included: " + ", ".join(per_round))
     if "tracing" in summary:
         t = summary["tracing"]
         print(f"tracing (ssd tok/s): disabled {t['disabled_tokens_per_s']:.1f}, no exporter "

@@ -86,6 +86,7 @@ def stats_dict(stats) -> dict:
         "cache_misses": stats.cache_misses,
         "cache_hit_rate": stats.cache_hit_rate,
         "draft_wait_ms": stats.draft_wait_ms,
+        "verify_ms": stats.verify_ms,
         "fallback_reason": stats.fallback_reason,
         "seed": stats.seed,
     }

@@ -91,7 +91,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "fallback_reason", "accepted_per_position", "cache_hits", "cache_misses", "cache_hit_rate", "draft_wait_ms", "seed")
+    __slots__ = ("mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "fallback_reason", "accepted_per_position", "cache_hits", "cache_misses", "cache_hit_rate", "draft_wait_ms", "seed", "verify_ms")
     MODE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class SpeculationStats(_message.Message):
     CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     rounds: int
     draft_tokens: int
@@ -118,7 +119,8 @@ class SpeculationStats(_message.Message):
     cache_hit_rate: float
     draft_wait_ms: float
     seed: int
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    verify_ms: float
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., seed: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stop_reason", "usage", "stats", "logprobs", "trace_id", "request_id")
