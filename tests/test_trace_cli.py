@@ -37,7 +37,7 @@ def _serve(role: str, port: int, flags: list[str], env: dict, log) -> subprocess
 
 
 @pytest.mark.slow
-def test_served_stack_exports_the_whole_trace(tiny_pair, tmp_path):
+def test_served_stack_exports_the_whole_trace(tiny_pair, tmp_path, capsys):
     target, draft = tiny_pair
     receiver = Receiver(tmp_path / "spans.jsonl", port=0).start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -95,6 +95,7 @@ def test_served_stack_exports_the_whole_trace(tiny_pair, tmp_path):
     output = tmp_path / "trace.png"
     assert main(["trace", trace_id, "--spans", str(receiver.path), "-o", str(output)]) == 0
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "target verifying" in capsys.readouterr().out  # the occupancy summary: verifies were found
     assert trace_spans(load_spans(receiver.path), None)[0]["trace_id"] == trace_id  # latest request by default
 
 
@@ -134,3 +135,16 @@ def test_reads_otlp_json_exports(tmp_path):
     output = tmp_path / "t.png"
     assert main(["trace", str(tmp_path / "export1.json"), "-o", str(output)]) == 0
     assert output.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_target_occupancy_is_verify_time_over_the_rounds_time():
+    from specd.cli.trace import target_occupancy
+
+    ms = 1_000_000
+    rounds = [{"start_ns": 0, "end_ns": 40 * ms}, {"start_ns": 40 * ms, "end_ns": 100 * ms}]
+    verify = [(10 * ms, 30 * ms), (35 * ms, 55 * ms), (60 * ms, 90 * ms), (95 * ms, 120 * ms)]  # the last runs past the rounds
+    busy, gap = target_occupancy(verify, rounds)
+    assert busy == pytest.approx((20 + 20 + 30 + 5) / 100)
+    assert gap == pytest.approx(5.0)  # gaps 5, 5, 5 ms
+    assert target_occupancy([], rounds) is None and target_occupancy(verify, []) is None
+

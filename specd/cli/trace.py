@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -17,11 +18,12 @@ DEFAULT_SPANS = "specd-spans.jsonl"
 DEFAULT_LISTEN_PORT = 4317
 
 # Lanes, top to bottom, and the spans drawn in each.
-LANES = ("rounds", "target verify", "draft", "overlap")
+LANES = ("rounds", "target", "draft", "overlap")
 COLORS = {
     "spec_round": ("#4c72b0", "#8fa8d6"),
     "spec_rounds": ("#9e9e9e", "#9e9e9e"),
     "spec_verify": "#dd8452",
+    "prefill": "#937860",
     "spec_propose": "#55a868",
     "spec_speculate": "#8172b3",
     "overlap": "#c44e52",
@@ -86,6 +88,11 @@ def _intervals(spans: list[dict], names: tuple[str, ...]) -> list[tuple[int, int
     return sorted((s["start_ns"], s["end_ns"]) for s in spans if s["name"] in names)
 
 
+def _prefills(spans: list[dict], service: str) -> list[tuple[int, int]]:
+    """A worker's Prefill calls, from their gRPC SERVER spans (a prefill has no worker span)."""
+    return sorted((s["start_ns"], s["end_ns"]) for s in spans if s["kind"] == "SERVER" and s["name"].endswith(f"{service}/Prefill"))
+
+
 def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Pieces of time covered by both interval lists."""
     pieces = []
@@ -95,6 +102,24 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[i
             if start < end:
                 pieces.append((start, end))
     return pieces
+
+
+def target_occupancy(verify: list[tuple[int, int]], rounds: list[dict]) -> tuple[float, float] | None:
+    """(fraction of the rounds' time the target spent verifying, median ms between one verify's
+    end and the next's start), or None without rounds or verifies.
+
+    A round can cost no less than its verification: the fraction is how close the request came
+    to that, and the gap is what each round adds to it (RPCs, event loops, a draft the round
+    waited for).
+    """
+    if not rounds or not verify:
+        return None
+    start = min(s["start_ns"] for s in rounds)
+    end = max(s["end_ns"] for s in rounds)
+    inside = [(max(a, start), min(b, end)) for a, b in verify if a < end and b > start]
+    busy = sum(b - a for a, b in inside) / max(1, end - start)
+    gaps = [(inside[i + 1][0] - inside[i][1]) / 1e6 for i in range(len(inside) - 1)]
+    return busy, statistics.median(gaps) if gaps else 0.0
 
 
 def draw(spans: list[dict], output: str | pathlib.Path) -> str:
@@ -145,7 +170,8 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
             text = label if k is None else f"{label}\n{acc}/{k}"
             ax.text(left + span_ms / 2, y["rounds"], text, ha="center", va="center", fontsize=6, color="white")
     for lane, intervals, color in (
-        ("target verify", verify, COLORS["spec_verify"]),
+        ("target", _prefills(spans, "TargetWorker"), COLORS["prefill"]),
+        ("target", verify, COLORS["spec_verify"]),
         ("overlap", overlap, COLORS["overlap"]),
     ):
         for start, end in intervals:
@@ -164,6 +190,10 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     )
     if hits or misses:
         summary += f", cache {hits} hits / {misses} misses"
+    occupancy = target_occupancy(verify, rounds)
+    if occupancy is not None:
+        summary += (f",\ntarget verifying {occupancy[0]:.0%} of the rounds' time "
+                    f"(median gap between verifies {occupancy[1]:.1f} ms)")
     ax.set_yticks([y[lane] for lane in LANES], LANES)
     ax.set_xlabel("ms since the request started (llm_request)")
     ax.set_xlim(0, max(ms(root["end_ns"]), max((ms(s["end_ns"]) for s in spans), default=1.0)))
@@ -173,6 +203,7 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
 
     legend = [
         Patch(color=COLORS["spec_round"][0], label="spec_round (accepted/K)"),
+        Patch(color=COLORS["prefill"], label="Prefill"),
         Patch(color=COLORS["spec_verify"], label="spec_verify"),
         Patch(color=COLORS["spec_propose"], label="spec_propose"),
         Patch(color=COLORS["spec_speculate"], label="spec_speculate"),
