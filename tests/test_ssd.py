@@ -1,5 +1,6 @@
-"""SSD end to end over real gRPC with tiny models: exact greedy output on the hit and miss
-paths with both backups, cache statistics, and a seeded sampled run with Saguaro sampling.
+"""SSD end to end over real gRPC: exact greedy output on the hit and miss paths with both
+backups, for the tiny models and the bundled demo pair, cache statistics, and (tiny models) a
+seeded sampled run with Saguaro sampling.
 
 Greedy output must equal the target decoding alone (DESIGN.md), except at a near-tie that the
 test shows (the target's top-2 logit gap below 1e-4 at the first divergence).
@@ -7,24 +8,44 @@ test shows (the target's top-2 logit gap below 1e-4 at the first divergence).
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
 
+from specd.demo import DEMO_DRAFT, DEMO_TARGET
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
-from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
+from tests.conftest import (
+    CALL_TIMEOUT_S,
+    assert_greedy_equal_or_near_tie,
+    greedy_reference,
+    load_reference,
+    request,
+    running_stack,
+)
+from tests.conftest import request as generate_request  # where a test needs pytest's `request`
 
 MAX_NEW = 40
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "class Point:\n    def"]
 SSD = pb.SPECULATION_MODE_SSD
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_pair):
-    model, tokenizer = load_reference(tiny_pair[0])
+def _reference(folder: str):
+    model, tokenizer = load_reference(folder)
     prompts = {text: tokenizer.encode(text, add_special_tokens=True) for text in PROMPTS}
     greedy = {text: greedy_reference(model, ids, MAX_NEW) for text, ids in prompts.items()}
     return model, prompts, greedy
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    return _reference(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def demo_reference():
+    return _reference(DEMO_TARGET)
 
 
 # (budget, backup): the hit path with both backups, and forced misses (budget 0) with both, at
@@ -39,10 +60,10 @@ STACKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def stacks(tiny_pair):
+@contextlib.contextmanager
+def _stacks(target: str, draft: str):
     """One target and draft shared by coordinators with different ssd settings."""
-    with running_stack(*tiny_pair, coordinator_overrides=STACKS["jit"]) as stack:
+    with running_stack(target, draft, coordinator_overrides=STACKS["jit"]) as stack:
         stubs = {"jit": stack.stub()}
         extra = []
         for name, overrides in STACKS.items():
@@ -55,15 +76,30 @@ def stacks(tiny_pair):
             stack.run(service.stop(0), timeout=10)
 
 
+@pytest.fixture(scope="module")
+def stacks(tiny_pair):
+    with _stacks(*tiny_pair) as stubs:
+        yield stubs
+
+
+@pytest.fixture(scope="module")
+def demo_stacks():
+    with _stacks(DEMO_TARGET, DEMO_DRAFT) as stubs:
+        yield stubs
+
+
+@pytest.mark.parametrize("pair", ["tiny", "demo"])
 @pytest.mark.parametrize("setting", list(STACKS))
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_ssd_equals_target_alone(stacks, reference, setting, k):
+def test_greedy_ssd_equals_target_alone(request, pair, setting, k):  # request: pytest's, for the pair's fixtures
     if setting == "adaptive" and k != 4:
         pytest.skip("the adaptive controller changes K itself: one K is enough")
-    model, prompts, greedy = reference
+    prefix = "" if pair == "tiny" else "demo_"
+    stacks, (model, prompts, greedy) = request.getfixturevalue(prefix + "stacks"), request.getfixturevalue(prefix + "reference")
     hits = misses = 0
     for text in PROMPTS:
-        response = stacks[setting].Generate(request(prompts[text], mode=SSD, k=k, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
+        message = generate_request(prompts[text], mode=SSD, k=k, max_new_tokens=MAX_NEW)
+        response = stacks[setting].Generate(message, timeout=CALL_TIMEOUT_S)
         stats = response.stats
         assert response.usage.completion_tokens == MAX_NEW
         assert stats.mode == SSD, stats
