@@ -1,0 +1,98 @@
+"""Sampled ssd output follows the target's distribution, end to end over gRPC, with Saguaro
+sampling on: temperature 1, with and without top-p.
+
+Every emitted token t_n is checked against the target's own distribution given the tokens
+before it, P_n, whatever produced it (round 0's Propose, a cache hit's draft with Saguaro's q',
+the backup, a recovered or bonus token): its randomized probability integral transform
+u_n = P_n(tokens likelier than t_n) + V * P_n(t_n), V ~ U(0, 1), is uniform on [0, 1] when t_n ~ P_n,
+and the u_n of a sequence are independent by the chain rule. One Kolmogorov-Smirnov test over
+all tokens of all requests, alpha = 1e-3, with fixed seeds: deterministic, and a correct
+implementation fails with probability 1e-3 at any other seeds. P_n comes from one plain
+transformers forward over each whole sequence.
+
+This checks the pipeline as a whole (a token of zero target mass, a q that is not the one
+sampled from, a biased recovery all show here when they move much mass); the rejection
+sampler's and Saguaro's own statistical tests, far more sensitive, are tests/test_verify.py
+and tests/test_saguaro.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import scipy.stats
+import torch
+
+from specd.sampling import SamplingSettings, logits_to_probs
+from specd.v1 import coordinator_pb2 as pb
+from tests.conftest import CALL_TIMEOUT_S, load_reference, request, running_stack
+
+ALPHA = 1e-3
+REQUESTS = 160
+NEW_TOKENS = 24
+K = 2
+PROMPT = "def add(a, b):"
+SAGUARO_C = 0.3
+BUDGET = 4  # a few guesses per position: Saguaro's down-weighting of them then changes q
+IN_FLIGHT = 8  # concurrent requests: the stack serves them side by side, each its own session
+
+
+@pytest.fixture(scope="module")
+def stub(tiny_pair):
+    overrides = dict(ssd_budget=BUDGET, ssd_backup="jit", ssd_adaptive=False, ssd_saguaro_c=SAGUARO_C)
+    with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
+        yield stack.stub()
+
+
+def _sample(stub, prompt_ids: list[int], top_p: float) -> tuple[list[list[int]], int]:
+    """REQUESTS ssd continuations, seeds 0..REQUESTS-1; returns them and the cache hits."""
+
+    def one(seed: int):
+        message = request(prompt_ids, mode=pb.SPECULATION_MODE_SSD, k=K, max_new_tokens=NEW_TOKENS,
+                          temperature=1.0, seed=seed)
+        message.sampling.top_p = top_p
+        return stub.Generate(message, timeout=CALL_TIMEOUT_S)
+
+    with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+        responses = list(pool.map(one, range(REQUESTS)))
+    for response in responses:
+        assert response.stats.mode == pb.SPECULATION_MODE_SSD and not response.stats.fallback_reason
+        assert len(response.token_ids) == NEW_TOKENS
+    return [list(r.token_ids) for r in responses], sum(r.stats.cache_hits for r in responses)
+
+
+@torch.inference_mode()
+def _pit(model, prompt_ids: list[int], sequences: list[list[int]], settings: SamplingSettings) -> list[float]:
+    """The randomized probability integral transform of every token under the target."""
+    generator = torch.Generator().manual_seed(0)
+    values: list[float] = []
+    for tokens in sequences:
+        ids = torch.tensor([prompt_ids + tokens])  # [1, P+N]
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]  # [N, V]: the distributions of t_1..t_N
+        probs = logits_to_probs(logits, settings).double()  # [N, V]
+        emitted = torch.tensor(tokens)  # [N]
+        mass = probs.gather(-1, emitted.unsqueeze(-1)).squeeze(-1)  # [N]
+        assert bool((mass > 0).all()), "a token of zero target probability was emitted"
+        # Tokens ordered from the most to the least likely: a q sent wrong (Saguaro's moves mass
+        # off the top tokens) shows as u drifting one way instead of being spread over [0, 1].
+        order = probs.argsort(dim=-1, descending=True, stable=True)  # [N, V]
+        ranked = probs.gather(-1, order)  # [N, V]
+        rank = order.argsort(dim=-1).gather(-1, emitted.unsqueeze(-1))  # [N, 1]: position of t_n in that order
+        below = (ranked.cumsum(-1) - ranked).gather(-1, rank).squeeze(-1)  # [N]: mass of likelier tokens
+        jitter = torch.rand(len(tokens), dtype=torch.float64, generator=generator)  # [N]
+        values.extend((below + jitter * mass).tolist())
+    return values
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_ssd_with_saguaro_follows_the_target(stub, tiny_pair, top_p):
+    model, tokenizer = load_reference(tiny_pair[0])
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    sequences, hits = _sample(stub, prompt_ids, top_p)
+    rounds_after_the_first = REQUESTS * (NEW_TOKENS // (K + 1))  # at least this many lookups
+    assert hits >= rounds_after_the_first // 10, f"only {hits} cache hits: the cache path was hardly tested"
+    values = _pit(model, prompt_ids, sequences, SamplingSettings(temperature=1.0, top_p=top_p))
+    pvalue = float(scipy.stats.kstest(values, "uniform").pvalue)
+    print(f"top_p {top_p}: {hits} cache hits, KS p = {pvalue:.3g} over {len(values)} tokens")
+    assert pvalue > ALPHA, f"p = {pvalue:.2e}: ssd's sampled tokens do not follow the target"
