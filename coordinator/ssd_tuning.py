@@ -6,10 +6,11 @@ measured throughput.
   depth whose build fits in a verification: a build is K+1 forwards (step 0 and K tree steps),
   and a forward's measured time against the verification's bounds K.
 - B: the tree's cost is not free on CPU, and it is paid twice when the draft and the target
-  share cores (measured on the demo pair: a 16-branch build running beside Verify doubled the
-  verify's forward time). Rather than model that, the coordinator measures what matters,
-  milliseconds per emitted token, at its current budget and now and then at a neighbouring
-  budget level, and keeps the faster one. What it learns is shared by all requests.
+  share cores (measured on an earlier demo pair with other jobs running on the machine: a
+  16-branch build beside Verify doubled the verify's forward time; idle, it adds far less).
+  Rather than model that, the coordinator measures what matters, milliseconds per emitted
+  token, at its current budget and now and then at a neighbouring budget level, and keeps the
+  faster one. What it learns is shared by all requests.
 - A level whose measured build takes longer than the measured verification is not tried
   again from below, and is left one level down at once if it is the current one (never down
   to 0 by this rule): a cache that arrives after the verification puts the draft back on the
@@ -31,8 +32,13 @@ _LEVELS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _STAY_ROUNDS = 16  # rounds at the chosen level between probes, while probes win
 _MAX_STAY_ROUNDS = 128  # each losing probe doubles the wait for the next, up to this
 _PROBE_ROUNDS = 8  # rounds spent at a neighbouring level
-_EMA = 0.2  # weight of a new round in a level's ms-per-token average
+_EMA = 0.2  # weight of a new sample in every running average here
 _MARGIN = 0.97  # a probed level must be this much faster to be adopted
+
+
+def _ema(average: float | None, sample: float) -> float:
+    """The running average after `sample`; the first sample starts it."""
+    return sample if average is None else (1 - _EMA) * average + _EMA * sample
 
 
 @dataclasses.dataclass
@@ -77,10 +83,9 @@ class Sizing:
         """One finished tree build's forward time (`forwards` forwards), and the verification it
         ran beside."""
         step = build_ms / max(1, forwards)
-        self.build_step_ms = step if self.build_step_ms is None else (1 - _EMA) * self.build_step_ms + _EMA * step
-        old = self.build_ms.get(budget)
-        self.build_ms[budget] = build_ms if old is None else (1 - _EMA) * old + _EMA * build_ms
-        self.verify_ms = verify_ms if self.verify_ms is None else (1 - _EMA) * self.verify_ms + _EMA * verify_ms
+        self.build_step_ms = _ema(self.build_step_ms, step)
+        self.build_ms[budget] = _ema(self.build_ms.get(budget), build_ms)
+        self.verify_ms = _ema(self.verify_ms, verify_ms)
         # One level down now, but not to 0 this way: a tree's depth (K forwards) costs more
         # than its width, so a smaller budget may not fit either, and whether no cache at all
         # beats a late one is for the measured throughput to tell.
@@ -100,9 +105,8 @@ class Sizing:
         """One round's wall time and emitted tokens, at the budget it speculated with."""
         if tokens <= 0 or budget not in self.levels:
             return
-        for averages, sample in ((self.round_ms, round_ms), (self.round_tokens, float(tokens))):
-            old = averages.get(budget)
-            averages[budget] = sample if old is None else (1 - _EMA) * old + _EMA * sample
+        self.round_ms[budget] = _ema(self.round_ms.get(budget), round_ms)
+        self.round_tokens[budget] = _ema(self.round_tokens.get(budget), float(tokens))
         self.rounds += 1
         if self.probe is None and self.rounds >= self.stay_rounds and len(self.levels) > 1:
             self.probes += 1
