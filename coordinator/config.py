@@ -35,6 +35,9 @@ class CoordinatorConfig:
         -1.0, "ssd, ngram backup: wait this long past verification for an unfinished cache (-1: half a verification)"
     )
     ssd_saguaro_c: float = setting(1.0, "ssd: Saguaro sampling's weight C on the draft's top-F tokens, in [0, 1] (1 = off)")
+    ssd_verify_ahead: bool = setting(
+        True, "ssd: send round T+1's verify for each cached outcome while round T verifies, so a hit skips a round trip"
+    )
     ssd_adaptive: bool = setting(True, "ssd: adapt K and the budget from acceptance and measured draft/verify times")
     trace_max_round_spans: int = setting(
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"

@@ -30,6 +30,7 @@ class Generation:
     max_support: int
     return_logprobs: bool
     max_len: int  # committed may grow to this many tokens
+    eos_token_ids: frozenset[int] = frozenset()  # tokens that end the request (none with ignore_eos)
     trace: RoundTrace = dataclasses.field(default_factory=RoundTrace)  # the request's round spans
     target_prefill: asyncio.Future | None = None  # the prompt's prefill, until round 0 awaits it
     target_session: WorkerSession = dataclasses.field(init=False)
@@ -58,6 +59,7 @@ class RoundResult:
     backup: str = ""
     branches: int = 0
     speculate_ms: float = 0.0  # the draft worker's forwards for those branches
+    verified_ahead: bool = False  # the target verified it right after the previous round (VerifyAfter)
 
 
 def start_target_prefill(gen: Generation, target: TargetLink) -> None:

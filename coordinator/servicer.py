@@ -88,6 +88,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         facts = self._ready_facts()
         mode = self._run_mode(request.mode)
         prompt_len = len(request.prompt_ids)
+        eos_ids = frozenset() if request.ignore_eos else facts.eos_token_ids
         gen = Generation(
             session_id=uuid.uuid4().hex,
             committed=list(request.prompt_ids),
@@ -97,6 +98,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             max_support=self.config.max_support,
             return_logprobs=request.return_logprobs,
             max_len=min(facts.context_length, prompt_len + request.max_new_tokens),
+            eos_token_ids=eos_ids,
             trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
         )
         stats = RequestStats(requested_mode=mode, seed=request.sampling.seed)
@@ -104,7 +106,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         logprobs: list[float] = []
         streamed = 0
         finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_LENGTH, ""
-        eos_ids = frozenset() if request.ignore_eos else facts.eos_token_ids
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         try:

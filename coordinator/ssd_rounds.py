@@ -7,6 +7,9 @@ Each round reads as SPECULATE / VERIFY / LOOK UP:
 - When Verify(T) returns, its (k, t*) is looked up in the speculation cache. A hit is round
   T+1's draft, ready with no draft call on the critical path; a miss takes the backup
   (config.ssd_backup): a just-in-time Propose, or a prompt-lookup guess costing no model call.
+- With config.ssd_verify_ahead, a cache that arrives while Verify(T) still runs goes to the
+  target at once as round T+1's verify for each cached outcome (coordinator/verify_ahead.py):
+  on a hit the target starts round T+1 right after round T's forward.
 - Every Speculate and Propose carries the committed tail, so the draft's KV cache follows the
   committed tokens whichever branch won. A draft failure turns the rounds target-only until
   the draft is back, as in sd.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from typing import AsyncIterator
 
@@ -27,6 +31,7 @@ from coordinator.backup import one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation, RoundResult, target_prefilled
 from coordinator.ssd_tuning import Sizing, Tuning
+from coordinator.verify_ahead import AheadDraft, VerifyAhead
 from coordinator.workers import DraftFailed, DraftLink, TargetLink
 from specd.sampling import SparseDist
 from specd.v1 import draft_pb2, target_pb2
@@ -68,126 +73,153 @@ async def ssd_rounds(
     ready: Drafts | None = None  # round T+1's draft from a cache hit, keyed to len(committed)
     ready_at = -1
     ready_wait_ms = 0.0  # what the loop waited on the draft to get it
+    ahead = VerifyAhead(gen, target)
+    ready_ahead: AheadDraft | None = None  # that draft, when it was sent ahead to the target
     index = 0
-    while (remaining := gen.max_len - len(gen.committed)) > 0:
-        with gen.trace.round(index) as span:  # Verify, Speculate and any Propose are its children
-            round_started = time.perf_counter()
-            num_draft = min(tuning.k, remaining - 1)
-            fallback = ""
-            hit: bool | None = None
-            backup = ""
-            draft_wait_ms = 0.0
-            drafts = Drafts([], [], "")
-            usable = gen.mode == "ssd" and draft is not None and await draft.usable()
-            vocab = draft.info.vocab_size if usable else 0
-            if not usable:
-                fallback = draft.last_error if draft is not None else "no draft worker is configured"
-            elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
-                drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
-                hit, draft_wait_ms = True, ready_wait_ms
-            elif num_draft > 0:
-                hit = None if index == 0 else False
-                backup = "propose" if index == 0 else config.ssd_backup
-                started = time.perf_counter()
-                if backup == "ngram":
-                    guess = prompt_lookup(gen.committed, num_draft)
-                    drafts = Drafts(guess, one_hot(guess), "ngram")
-                else:
-                    saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
-                    try:
-                        response = await draft.propose(
-                            gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro
-                        )
-                        dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
-                        drafts = Drafts(list(response.draft_tokens), dists, backup)
-                    except DraftFailed as exc:
-                        fallback, usable = str(exc), False
-                draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
-            ready, ready_at, ready_wait_ms = None, -1, 0.0
-
-            await target_prefilled(gen)
-            verify_task = asyncio.ensure_future(
-                target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
-            )
-            spec_task = None
-            next_k = tuning.k
-            branches = 0
-            round_budget = tuning.budget if usable and remaining > 1 else None  # what this round tries
-            # Speculate only if another round may follow this one (k = 0 commits one token).
-            if round_budget:
-                fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
-                branches = sum(fanout)
-                saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
-                request = draft_pb2.SpeculateRequest(
-                    session_id=gen.session_id,
-                    draft_tokens=drafts.tokens,
-                    num_tokens=next_k,
-                    fanout=fanout,
-                    sampling=sampling_to_proto(gen.sampling),
-                    max_support=gen.max_support,
-                    saguaro=saguaro,
-                )
-                guesses = asyncio.get_running_loop().create_future()
-                spec_task = asyncio.ensure_future(draft.speculate(gen.draft_session, list(gen.committed), request, guesses))
-            spec_started = time.perf_counter()
-            try:
-                verify = await verify_task
-            except BaseException:
-                if spec_task is not None:
-                    spec_task.cancel()
-                raise
-            accepted, next_token = verify.accepted, verify.next_token
-            tuning.observe_round(len(drafts.tokens), accepted)
-
-            # LOOK UP: round T+1's draft from the cache, if the build finishes in time.
-            speculate_ms = 0.0
-            if spec_task is not None:
-                waited = time.perf_counter()
-                cache = await _collect(spec_task, guesses, (accepted, next_token), config, verify.forward_ms, spec_started)
-                lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
-                if isinstance(cache, DraftFailed):
-                    fallback = str(cache)
-                elif cache is None:  # gave up waiting: the build outlasts the verification
-                    waited_ms = (time.perf_counter() - spec_started) * 1000.0
-                    tuning.observe_build(round_budget, waited_ms, verify.forward_ms, next_k + 1)
-                elif cache is not _KNOWN_MISS:
-                    speculate_ms = cache.forward_ms
-                    if cache.entries:
-                        tuning.observe_build(round_budget, speculate_ms, verify.forward_ms, next_k + 1)
-                    for entry in cache.entries:
-                        if entry.accepted == accepted and entry.next_token == next_token:
-                            ready = Drafts(
-                                list(entry.draft_tokens),
-                                [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs],
-                                "cache",
+    try:
+        while (remaining := gen.max_len - len(gen.committed)) > 0:
+            with gen.trace.round(index) as span:  # Verify, Speculate and any Propose are its children
+                round_started = time.perf_counter()
+                num_draft = min(tuning.k, remaining - 1)
+                fallback = ""
+                hit: bool | None = None
+                backup = ""
+                draft_wait_ms = 0.0
+                drafts = Drafts([], [], "")
+                usable = gen.mode == "ssd" and draft is not None and await draft.usable()
+                vocab = draft.info.vocab_size if usable else 0
+                if not usable:
+                    fallback = draft.last_error if draft is not None else "no draft worker is configured"
+                elif ready_ahead is not None and ready_at == len(gen.committed):
+                    drafts = Drafts(ready_ahead.tokens, ready_ahead.dists, "cache")
+                    hit, draft_wait_ms = True, ready_wait_ms
+                elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
+                    drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
+                    hit, draft_wait_ms = True, ready_wait_ms
+                elif num_draft > 0:
+                    hit = None if index == 0 else False
+                    backup = "propose" if index == 0 else config.ssd_backup
+                    started = time.perf_counter()
+                    if backup == "ngram":
+                        guess = prompt_lookup(gen.committed, num_draft)
+                        drafts = Drafts(guess, one_hot(guess), "ngram")
+                    else:
+                        saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
+                        try:
+                            response = await draft.propose(
+                                gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro
                             )
-                            break
-                ready_wait_ms = lookup_wait_ms
-            tokens = drafts.tokens[:accepted] + [next_token]
-            # What a round costs per emitted token, at the budget it speculated with (a hit's
-            # saving shows in the next round, which this average also takes in).
-            if round_budget is not None:
-                tuning.observe_time(round_budget, (time.perf_counter() - round_started) * 1000.0, len(tokens))
-            ready_at = len(gen.committed) + len(tokens)
-            result = RoundResult(
-                index=index,
-                mode="ssd" if drafts.tokens else "off",
-                tokens=tokens,
-                logprobs=list(verify.logprobs),
-                num_draft=len(drafts.tokens),
-                accepted=accepted,
-                bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
-                draft_wait_ms=draft_wait_ms,
-                verify_ms=verify.forward_ms,
-                fallback_reason=fallback,
-                hit=hit,
-                backup=backup,
-                branches=branches,
-                speculate_ms=speculate_ms,
-            )
-            span.record(result)
-        yield result
-        index += 1
+                            dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
+                            drafts = Drafts(list(response.draft_tokens), dists, backup)
+                        except DraftFailed as exc:
+                            fallback, usable = str(exc), False
+                    draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
+                ready, ready_at, ready_wait_ms = None, -1, 0.0
+
+                await target_prefilled(gen)
+                sent_ahead = ready_ahead is not None and drafts.tokens == ready_ahead.tokens
+                if sent_ahead:
+                    verify_task = asyncio.ensure_future(ahead.answer(ready_ahead))
+                else:
+                    ahead.cancel()
+                    verify_task = asyncio.ensure_future(
+                        target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
+                    )
+                ready_ahead = None
+                spec_task = None
+                next_k = tuning.k
+                branches = 0
+                round_budget = tuning.budget if usable and remaining > 1 else None  # what this round tries
+                # Speculate only if another round may follow this one (k = 0 commits one token).
+                if round_budget:
+                    fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
+                    branches = sum(fanout)
+                    saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
+                    request = draft_pb2.SpeculateRequest(
+                        session_id=gen.session_id,
+                        draft_tokens=drafts.tokens,
+                        num_tokens=next_k,
+                        fanout=fanout,
+                        sampling=sampling_to_proto(gen.sampling),
+                        max_support=gen.max_support,
+                        saguaro=saguaro,
+                    )
+                    guesses = asyncio.get_running_loop().create_future()
+                    spec_task = asyncio.ensure_future(draft.speculate(gen.draft_session, list(gen.committed), request, guesses))
+                    if config.ssd_verify_ahead:
+                        spec_task.add_done_callback(
+                            functools.partial(_send_ahead, ahead, verify_task, drafts.tokens, next_k)
+                        )
+                spec_started = time.perf_counter()
+                try:
+                    verify = await verify_task
+                except BaseException:
+                    if spec_task is not None:
+                        spec_task.cancel()
+                    raise
+                accepted, next_token = verify.accepted, verify.next_token
+                tuning.observe_round(len(drafts.tokens), accepted)
+
+                # LOOK UP: round T+1's draft from the cache, if the build finishes in time.
+                speculate_ms = 0.0
+                if spec_task is not None:
+                    waited = time.perf_counter()
+                    cache = await _collect(spec_task, guesses, (accepted, next_token), config, verify.forward_ms, spec_started)
+                    lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
+                    if isinstance(cache, DraftFailed):
+                        fallback = str(cache)
+                    elif cache is None:  # gave up waiting: the build outlasts the verification
+                        waited_ms = (time.perf_counter() - spec_started) * 1000.0
+                        tuning.observe_build(round_budget, waited_ms, verify.forward_ms, next_k + 1)
+                    elif cache is not _KNOWN_MISS:
+                        speculate_ms = cache.forward_ms
+                        if cache.entries:
+                            tuning.observe_build(round_budget, speculate_ms, verify.forward_ms, next_k + 1)
+                        for entry in cache.entries:
+                            if entry.accepted == accepted and entry.next_token == next_token:
+                                ready = Drafts(
+                                    list(entry.draft_tokens),
+                                    [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs],
+                                    "cache",
+                                )
+                                break
+                    ready_wait_ms = lookup_wait_ms
+                ready_ahead = ahead.take((accepted, next_token))  # cancels the call on a miss
+                tokens = drafts.tokens[:accepted] + [next_token]
+                # What a round costs per emitted token, at the budget it speculated with (a hit's
+                # saving shows in the next round, which this average also takes in).
+                if round_budget is not None:
+                    tuning.observe_time(round_budget, (time.perf_counter() - round_started) * 1000.0, len(tokens))
+                ready_at = len(gen.committed) + len(tokens)
+                result = RoundResult(
+                    index=index,
+                    mode="ssd" if drafts.tokens else "off",
+                    tokens=tokens,
+                    logprobs=list(verify.logprobs),
+                    num_draft=len(drafts.tokens),
+                    accepted=accepted,
+                    bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
+                    draft_wait_ms=draft_wait_ms,
+                    verify_ms=verify.forward_ms,
+                    fallback_reason=fallback,
+                    hit=hit,
+                    backup=backup,
+                    branches=branches,
+                    speculate_ms=speculate_ms,
+                    verified_ahead=sent_ahead and ahead.answered_ahead,
+                )
+                span.record(result)
+            yield result
+            index += 1
+    finally:
+        ahead.cancel()
+
+
+def _send_ahead(ahead: VerifyAhead, verify_task: asyncio.Future, verifying: list[int], max_k: int, spec_task: asyncio.Future) -> None:
+    """Once the cache is in: send round T+1's verifies ahead if Verify(T) has not answered yet."""
+    if verify_task.done() or spec_task.cancelled() or spec_task.exception() is not None:
+        return
+    ahead.send(verifying, spec_task.result(), lambda remaining: min(max_k, remaining - 1))
 
 
 _KNOWN_MISS = object()

@@ -44,6 +44,11 @@ class WorkerSession:
     def committed_tail(self, committed: list[int]) -> common_pb2.CommittedTokens:
         return common_pb2.CommittedTokens(start=self.sent, token_ids=committed[self.sent :])
 
+    def answered(self, committed: list[int], cached: int | None) -> None:
+        """The worker answered a call sent `committed`; the next call continues from what it caches
+        (a worker may cache fewer tokens than it was sent: a prefill keeps the last one back)."""
+        self.sent = len(committed) if cached is None else min(len(committed), cached)
+
 
 async def _synced_call(session: WorkerSession, committed: list[int], call: Callable[[common_pb2.CommittedTokens], Awaitable]):
     """Send the unsent tail; resend everything once if the worker lost the session."""
@@ -55,10 +60,7 @@ async def _synced_call(session: WorkerSession, committed: list[int], call: Calla
         log.info("session %s lost on a worker (%s); resending its history", session.session_id, exc.code().name)
         session.sent = 0
         response = await call(session.committed_tail(committed))
-    # A worker may cache fewer tokens than it was sent (a prefill keeps the last one back);
-    # the next call must continue from what it caches, or the worker answers FAILED_PRECONDITION.
-    cached = getattr(response, "cached_tokens", None)
-    session.sent = len(committed) if cached is None else min(len(committed), cached)
+    session.answered(committed, getattr(response, "cached_tokens", None))
     return response
 
 
@@ -85,6 +87,24 @@ def _trace_metadata_source(interceptors: list | None) -> Callable[[], tuple]:
 
 def _channel(address: str, interceptors: list | None) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS + _KEEPALIVE_OPTIONS, interceptors=interceptors)
+
+
+def verify_request(
+    session_id: str,
+    tail: common_pb2.CommittedTokens,
+    draft_tokens: list[int],
+    draft_dists: list[SparseDist],
+    sampling: SamplingSettings,
+    return_logprobs: bool,
+) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(
+        session_id=session_id,
+        committed=tail,
+        draft_tokens=draft_tokens,
+        draft_probs=[] if sampling.greedy else [sparse_to_proto(d) for d in draft_dists],
+        sampling=sampling_to_proto(sampling),
+        return_logprobs=return_logprobs,
+    )
 
 
 class TargetLink:
@@ -125,18 +145,21 @@ class TargetLink:
         return_logprobs: bool,
     ) -> target_pb2.VerifyResponse:
         async def call(tail):
-            request = target_pb2.VerifyRequest(
-                session_id=session.session_id,
-                committed=tail,
-                draft_tokens=draft_tokens,
-                draft_probs=[] if sampling.greedy else [sparse_to_proto(d) for d in draft_dists],
-                sampling=sampling_to_proto(sampling),
-                return_logprobs=return_logprobs,
-            )
+            request = verify_request(session.session_id, tail, draft_tokens, draft_dists, sampling, return_logprobs)
             return await self._stub.Verify(request, metadata=self._metadata(), timeout=self.timeout_s)
 
         try:
             return await _synced_call(session, committed, call)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def verify_after(
+        self, session_id: str, after: int, choices: list[target_pb2.VerifyChoice]
+    ) -> target_pb2.VerifyAfterResponse:
+        """Verifies sent ahead of the outcome of the session's verify at `after` committed tokens."""
+        request = target_pb2.VerifyAfterRequest(session_id=session_id, after=after, choices=choices)
+        try:
+            return await self._stub.VerifyAfter(request, metadata=self._metadata(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
 

@@ -65,6 +65,34 @@ class VerifyResponse(_message.Message):
     cached_tokens: int
     def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class VerifyChoice(_message.Message):
+    __slots__ = ("accepted", "next_token", "verify")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    next_token: int
+    verify: VerifyRequest
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class VerifyAfterRequest(_message.Message):
+    __slots__ = ("session_id", "after", "choices")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    after: int
+    choices: _containers.RepeatedCompositeFieldContainer[VerifyChoice]
+    def __init__(self, session_id: _Optional[str] = ..., after: _Optional[int] = ..., choices: _Optional[_Iterable[_Union[VerifyChoice, _Mapping]]] = ...) -> None: ...
+
+class VerifyAfterResponse(_message.Message):
+    __slots__ = ("matched", "verify")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    matched: bool
+    verify: VerifyResponse
+    def __init__(self, matched: _Optional[bool] = ..., verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
+
 class TargetEndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class TargetWorkerStub:
                 request_serializer=specd_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyAfter = channel.unary_unary(
+                '/specd.v1.TargetWorker/VerifyAfter',
+                request_serializer=specd_dot_v1_dot_target__pb2.VerifyAfterRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_target__pb2.VerifyAfterResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specd.v1.TargetWorker/EndSession',
                 request_serializer=specd_dot_v1_dot_target__pb2.TargetEndSessionRequest.SerializeToString,
@@ -75,6 +80,15 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyAfter(self, request, context):
+        """The next round's verify, sent ahead while this round's verify runs: one choice per outcome
+        (k, t*) it may have. Right after the session's verify at `after` committed tokens, the
+        choice written for its outcome runs, with no round trip to the coordinator in between.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,6 +113,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specd_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specd_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyAfter': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyAfter,
+                    request_deserializer=specd_dot_v1_dot_target__pb2.VerifyAfterRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_target__pb2.VerifyAfterResponse.SerializeToString,
             ),
             'EndSession': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSession,
@@ -166,6 +185,33 @@ class TargetWorker:
             '/specd.v1.TargetWorker/Verify',
             specd_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specd_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyAfter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.TargetWorker/VerifyAfter',
+            specd_dot_v1_dot_target__pb2.VerifyAfterRequest.SerializeToString,
+            specd_dot_v1_dot_target__pb2.VerifyAfterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,97 @@
+"""ssd: round T+1's verify, sent to the target while it still verifies round T (VerifyAfter).
+
+When the speculation cache arrives before Verify(T) has answered, the coordinator sends the
+target one choice per cached outcome (k, t*): round T+1's verify with that entry's draft. The
+target runs the choice written for its outcome right after round T's forward, so on a hit the
+answer's trip back and the next Verify's trip out leave the critical path. The coordinator still
+owns the committed tokens: each choice carries the committed tail its outcome implies, and the
+round loop takes a choice's answer only for the outcome Verify(T) reports. On a miss the call is
+cancelled; the target ran nothing for it (no choice matched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Callable
+
+from coordinator.rounds import Generation
+from coordinator.workers import TargetLink, verify_request
+from specd.sampling import SparseDist
+from specd.v1 import common_pb2, draft_pb2, target_pb2
+
+Outcome = tuple[int, int]  # (k, t*)
+
+
+@dataclasses.dataclass(frozen=True)
+class AheadDraft:
+    tokens: list[int]
+    dists: list[SparseDist]
+
+
+class VerifyAhead:
+    """A request's VerifyAfter call in flight, if any, and the draft each of its choices verifies."""
+
+    def __init__(self, gen: Generation, target: TargetLink):
+        self._gen = gen
+        self._target = target
+        self._call: asyncio.Future | None = None
+        self._drafts: dict[Outcome, AheadDraft] = {}
+        self.answered_ahead = False  # the latest answer() came from the verify sent ahead
+
+    def send(self, verifying: list[int], cache: draft_pb2.SpeculationCache, num_draft: Callable[[int], int]) -> None:
+        """Offer the target round T+1 for every cached outcome of the draft `verifying` now.
+
+        `num_draft(remaining)` is round T+1's K when `remaining` tokens may still be generated.
+        Outcomes that end the request (no room left, or an EOS emitted) get no choice.
+        """
+        gen = self._gen
+        after = len(gen.committed)
+        choices = []
+        for entry in cache.entries:
+            emitted = verifying[: entry.accepted] + [entry.next_token]  # d_1..d_k, t*
+            count = num_draft(gen.max_len - after - len(emitted))
+            if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted):
+                continue
+            draft = AheadDraft(
+                list(entry.draft_tokens[:count]),
+                [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs[:count]],
+            )
+            tail = common_pb2.CommittedTokens(start=after, token_ids=emitted)
+            request = verify_request(gen.session_id, tail, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs)
+            choices.append(target_pb2.VerifyChoice(accepted=entry.accepted, next_token=entry.next_token, verify=request))
+            self._drafts[(entry.accepted, entry.next_token)] = draft
+        if choices:
+            self._call = asyncio.ensure_future(self._target.verify_after(gen.session_id, after, choices))
+
+    def take(self, outcome: Outcome) -> AheadDraft | None:
+        """The draft sent ahead for Verify(T)'s `outcome`, whose answer `answer()` then awaits;
+        None (and the call cancelled) if none was."""
+        draft = self._drafts.get(outcome) if self._call is not None else None
+        if draft is None:
+            self.cancel()
+        return draft
+
+    async def answer(self, draft: AheadDraft) -> target_pb2.VerifyResponse:
+        """Round T+1's verify: the answer to the choice sent ahead, or the same draft verified
+        now if that call failed. `gen.committed` holds round T's tokens by now."""
+        gen, call = self._gen, self._call
+        self._call, self._drafts = None, {}
+        try:
+            response = await call
+        except Exception:  # noqa: BLE001 - the plain Verify below re-syncs or reports the target's state
+            response = None
+        self.answered_ahead = response is not None and response.matched
+        if self.answered_ahead:
+            gen.target_session.answered(gen.committed, response.verify.cached_tokens)
+            return response.verify
+        return await self._target.verify(
+            gen.target_session, gen.committed, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs
+        )
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            if self._call.done() and not self._call.cancelled():
+                self._call.exception()  # retrieved, so that asyncio does not log it
+        self._call, self._drafts = None, {}

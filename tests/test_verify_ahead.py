@@ -1,0 +1,237 @@
+"""Verifies sent ahead (VerifyAfter): the target runs the choice written for the outcome of the
+session's previous verify, with the same result a plain Verify sent afterwards would get;
+nothing runs for an outcome no choice names; ssd output stays exact when rounds go this way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specd.v1 import coordinator_pb2 as pb
+from target_service.outcomes import VerifyOutcomes
+from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
+from tests.stack import count_calls
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+
+
+# --- the outcome register -------------------------------------------------------------------
+
+
+def test_outcome_waited_for_before_and_after_it_is_recorded():
+    async def scenario():
+        outcomes = VerifyOutcomes()
+        early = asyncio.ensure_future(outcomes.wait("s", 10))
+        await asyncio.sleep(0)
+        outcomes.record("s", 10, (2, 77))
+        late = await outcomes.wait("s", 10)
+        return await early, late
+
+    assert asyncio.run(scenario()) == ((2, 77), (2, 77))
+
+
+def test_outcome_of_a_passed_or_ended_verify_is_none():
+    async def scenario():
+        outcomes = VerifyOutcomes()
+        outcomes.record("s", 10, (1, 5))
+        outcomes.record("s", 13, (4, 6))  # a later verify of the same session
+        passed = await outcomes.wait("s", 10)
+        waiting = asyncio.ensure_future(outcomes.wait("s", 20))
+        skipped = asyncio.ensure_future(outcomes.wait("t", 8))
+        await asyncio.sleep(0)
+        outcomes.record("t", 9, (0, 1))  # 8 never came: t moved past it
+        outcomes.forget("s")
+        return passed, await waiting, await skipped
+
+    assert asyncio.run(scenario()) == (None, None, None)
+
+
+def test_outcomes_keep_a_bounded_number_of_sessions():
+    async def scenario():
+        outcomes = VerifyOutcomes(capacity=2)
+        for name in ("a", "b", "c"):
+            outcomes.record(name, 4, (0, 1))
+        return await asyncio.wait_for(outcomes.wait("c", 4), 1.0), asyncio.ensure_future(outcomes.wait("a", 4))
+
+    async def forgotten_waits():
+        recent, oldest = await scenario()
+        await asyncio.sleep(0.05)
+        done = oldest.done()
+        oldest.cancel()
+        return recent, done
+
+    assert asyncio.run(forgotten_waits()) == ((0, 1), False)  # "a" was forgotten: its wait goes on
+
+
+# --- the target worker's VerifyAfter ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_stub(tiny_pair):
+    with running_stack(tiny_pair[0], None) as stack:
+        channel = grpc.insecure_channel(f"127.0.0.1:{stack.target.port}")
+        yield stack, target_pb2_grpc.TargetWorkerStub(channel)
+        channel.close()
+
+
+def _verify_request(session: str, start: int, tokens: list[int], drafts: list[int]) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(
+        session_id=session,
+        committed=common_pb2.CommittedTokens(start=start, token_ids=tokens),
+        draft_tokens=drafts,
+        sampling=GREEDY,
+        return_logprobs=True,
+    )
+
+
+def _prefill(stub, session: str) -> None:
+    stub.Prefill(
+        target_pb2.TargetPrefillRequest(session_id=session, committed=common_pb2.CommittedTokens(start=0, token_ids=PROMPT)),
+        timeout=CALL_TIMEOUT_S,
+    )
+
+
+def _end(stub, session: str) -> None:
+    stub.EndSession(target_pb2.TargetEndSessionRequest(session_id=session), timeout=CALL_TIMEOUT_S)
+
+
+def _plain_rounds(stub, session: str, first_draft: list[int], second_draft: list[int]):
+    """Two rounds by plain Verify calls: the reference a verify sent ahead must equal."""
+    _prefill(stub, session)
+    first = stub.Verify(_verify_request(session, 0, PROMPT, first_draft), timeout=CALL_TIMEOUT_S)
+    emitted = first_draft[: first.accepted] + [first.next_token]
+    second = stub.Verify(_verify_request(session, len(PROMPT), emitted, second_draft), timeout=CALL_TIMEOUT_S)
+    _end(stub, session)
+    return first, emitted, second
+
+
+def test_the_choice_for_the_outcome_runs_right_after(target_stub):
+    stack, stub = target_stub
+    first_draft, second_draft = [8, 9, 10, 11], [1, 2, 3]
+    first, emitted, second = _plain_rounds(stub, "reference", first_draft, second_draft)
+
+    _prefill(stub, "ahead")
+    decoy = target_pb2.VerifyChoice(
+        accepted=first.accepted,
+        next_token=(first.next_token + 1) % 300,
+        verify=_verify_request("ahead", len(PROMPT), first_draft[: first.accepted] + [(first.next_token + 1) % 300], [4]),
+    )
+    right = target_pb2.VerifyChoice(
+        accepted=first.accepted, next_token=first.next_token, verify=_verify_request("ahead", len(PROMPT), emitted, second_draft)
+    )
+    # Sent before the verify it follows: it waits for that verify's outcome.
+    ahead = stub.VerifyAfter.future(
+        target_pb2.VerifyAfterRequest(session_id="ahead", after=len(PROMPT), choices=[decoy, right]), timeout=CALL_TIMEOUT_S
+    )
+    time.sleep(0.2)
+    assert not ahead.done()
+    got_first = stub.Verify(_verify_request("ahead", 0, PROMPT, first_draft), timeout=CALL_TIMEOUT_S)
+    answer = ahead.result(timeout=CALL_TIMEOUT_S)
+    _end(stub, "ahead")
+
+    assert (got_first.accepted, got_first.next_token) == (first.accepted, first.next_token)
+    assert answer.matched
+    got = answer.verify
+    assert (got.accepted, got.next_token, got.next_token_kind, got.cached_tokens) == (
+        second.accepted,
+        second.next_token,
+        second.next_token_kind,
+        second.cached_tokens,
+    )
+    assert list(got.logprobs) == pytest.approx(list(second.logprobs), abs=1e-5)
+
+
+def test_no_choice_for_the_outcome_runs_nothing(target_stub):
+    stack, stub = target_stub
+    verifies = count_calls(stack.target.servicer.runner, "verify")
+    _prefill(stub, "unmatched")
+    first = stub.Verify(_verify_request("unmatched", 0, PROMPT, [8, 9]), timeout=CALL_TIMEOUT_S)
+    wrong = (first.next_token + 1) % 300
+    choice = target_pb2.VerifyChoice(
+        accepted=first.accepted, next_token=wrong, verify=_verify_request("unmatched", len(PROMPT), [8, 9][: first.accepted] + [wrong], [4])
+    )
+    # Sent after the verify it follows has answered: it still knows that verify's outcome.
+    answer = stub.VerifyAfter(
+        target_pb2.VerifyAfterRequest(session_id="unmatched", after=len(PROMPT), choices=[choice]), timeout=CALL_TIMEOUT_S
+    )
+    assert not answer.matched
+    assert verifies[0] == 1
+    emitted = [8, 9][: first.accepted] + [first.next_token]
+    stub.Verify(_verify_request("unmatched", len(PROMPT), emitted, [4]), timeout=CALL_TIMEOUT_S)  # the session goes on
+    _end(stub, "unmatched")
+
+
+def test_an_ended_session_releases_a_waiting_verify_after(target_stub):
+    _, stub = target_stub
+    _prefill(stub, "ending")
+    ahead = stub.VerifyAfter.future(
+        target_pb2.VerifyAfterRequest(session_id="ending", after=len(PROMPT)), timeout=CALL_TIMEOUT_S
+    )
+    time.sleep(0.2)
+    _end(stub, "ending")
+    assert not ahead.result(timeout=10).matched
+
+
+def test_a_choice_for_another_position_is_refused(target_stub):
+    _, stub = target_stub
+    choice = target_pb2.VerifyChoice(accepted=0, next_token=1, verify=_verify_request("bad", 3, [1], [2]))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.VerifyAfter(target_pb2.VerifyAfterRequest(session_id="bad", after=6, choices=[choice]), timeout=CALL_TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "position 6" in err.value.details()
+
+
+# --- ssd rounds through VerifyAfter ---------------------------------------------------------
+
+
+def _slow_verify(runner, seconds: float) -> None:
+    """A target that verifies slower than the tiny draft builds its cache, as a large one does."""
+    original = runner.verify
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    runner.verify = slow
+
+
+def _record_verify_after(coordinator_servicer) -> list[bool]:
+    """Whether each VerifyAfter the coordinator sent found its outcome among its choices."""
+    matched: list[bool] = []
+    link = coordinator_servicer.target
+    original = link.verify_after
+
+    async def recorded(*args, **kwargs):
+        answer = await original(*args, **kwargs)
+        matched.append(answer.matched)
+        return answer
+
+    link.verify_after = recorded
+    return matched
+
+
+@pytest.mark.parametrize("verify_ahead", [True, False])
+def test_ssd_rounds_verified_ahead_stay_exact(tiny_pair, verify_ahead):
+    model, tokenizer = load_reference(tiny_pair[0])
+    prompt = "def add(a, b):"
+    ids = tokenizer.encode(prompt, add_special_tokens=True)
+    want = greedy_reference(model, ids, 40)
+    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False, ssd_verify_ahead=verify_ahead)
+    with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
+        _slow_verify(stack.target.servicer.runner, 0.05)
+        matched = _record_verify_after(stack.coordinator.servicer)
+        response = stack.stub().Generate(
+            request(ids, mode=pb.SPECULATION_MODE_SSD, k=4, max_new_tokens=40), timeout=CALL_TIMEOUT_S
+        )
+    assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want)
+    assert response.stats.cache_hits > 0
+    if verify_ahead:
+        assert sum(matched) > 0  # rounds did start on the target with no round trip
+    else:
+        assert matched == []
