@@ -9,7 +9,9 @@ Each round reads as SPECULATE / VERIFY / LOOK UP:
   (config.ssd_backup): a just-in-time Propose, or a prompt-lookup guess costing no model call.
 - With config.ssd_verify_ahead, a cache that arrives while Verify(T) still runs goes to the
   target at once as round T+1's verify for each cached outcome (coordinator/verify_ahead.py):
-  on a hit the target starts round T+1 right after round T's forward.
+  on a hit the target starts round T+1 right after round T's forward, and the loop starts
+  Speculate(T+1) beside it before handing round T's tokens to the caller. Such a round's
+  worker calls are children of round T's span.
 - Every Speculate and Propose carries the committed tail, so the draft's KV cache follows the
   committed tokens whichever branch won. A draft failure turns the rounds target-only until
   the draft is back, as in sd.
@@ -41,7 +43,7 @@ from specd.wire import sampling_to_proto
 class Drafts:
     tokens: list[int]
     dists: list[SparseDist]
-    source: str  # cache, propose (round 0), jit or ngram
+    source: str  # cache, ahead (a cache hit already sent to the target), propose (round 0), jit or ngram
 
 
 def _saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
@@ -49,6 +51,66 @@ def _saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> d
     if gen.sampling.greedy or config.ssd_saguaro_c >= 1.0 or not fanout:
         return None
     return draft_pb2.SaguaroParams(c=config.ssd_saguaro_c, fanout=fanout)
+
+
+@dataclasses.dataclass
+class _Speculation:
+    """A Speculate call in flight: the cache for the round after the one it speculates beside."""
+
+    task: asyncio.Future  # -> draft_pb2.SpeculationCache
+    guesses: asyncio.Future  # -> the outcomes (k, t*) the cache will hold
+    budget: int
+    branches: int
+    num_tokens: int  # K' drafted after each guess
+    started: float
+
+
+@dataclasses.dataclass
+class _Launch:
+    """Round T+1 started before round T was handed to the caller: a hit whose verify went
+    ahead to the target, and the Speculate beside it."""
+
+    drafts: Drafts
+    verify: asyncio.Future
+    speculation: _Speculation | None
+    budget: int | None  # the budget the round tries, as any round's
+    committed: int  # len(committed) the round continues
+
+    def cancel(self) -> None:
+        self.verify.cancel()
+        if self.speculation is not None:
+            self.speculation.task.cancel()
+
+
+def _speculate(
+    gen: Generation,
+    committed: list[int],
+    drafts: Drafts,
+    draft: DraftLink,
+    config: CoordinatorConfig,
+    tuning: Tuning,
+    verify_task: asyncio.Future,
+    ahead: VerifyAhead,
+) -> _Speculation:
+    """Start Speculate beside the verify of `drafts` after `committed`; with verify ahead on,
+    its cache goes on to the target as soon as it is in."""
+    vocab = draft.info.vocab_size
+    next_k = tuning.k
+    fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
+    request = draft_pb2.SpeculateRequest(
+        session_id=gen.session_id,
+        draft_tokens=drafts.tokens,
+        num_tokens=next_k,
+        fanout=fanout,
+        sampling=sampling_to_proto(gen.sampling),
+        max_support=gen.max_support,
+        saguaro=_saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k]),
+    )
+    guesses = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(draft.speculate(gen.draft_session, list(committed), request, guesses))
+    if config.ssd_verify_ahead:
+        task.add_done_callback(functools.partial(_send_ahead, ahead, verify_task, list(committed), drafts.tokens, next_k))
+    return _Speculation(task, guesses, tuning.budget, sum(fanout), next_k, time.perf_counter())
 
 
 async def ssd_rounds(
@@ -74,123 +136,103 @@ async def ssd_rounds(
     ready_at = -1
     ready_wait_ms = 0.0  # what the loop waited on the draft to get it
     ahead = VerifyAhead(gen, target)
-    ready_ahead: AheadDraft | None = None  # that draft, when it was sent ahead to the target
+    launch: _Launch | None = None  # this round, already under way
+    last_round_end = time.perf_counter()
     index = 0
     try:
         while (remaining := gen.max_len - len(gen.committed)) > 0:
             with gen.trace.round(index) as span:  # Verify, Speculate and any Propose are its children
-                round_started = time.perf_counter()
                 num_draft = min(tuning.k, remaining - 1)
                 fallback = ""
                 hit: bool | None = None
                 backup = ""
                 draft_wait_ms = 0.0
                 drafts = Drafts([], [], "")
-                usable = gen.mode == "ssd" and draft is not None and await draft.usable()
-                vocab = draft.info.vocab_size if usable else 0
-                if not usable:
-                    fallback = draft.last_error if draft is not None else "no draft worker is configured"
-                elif ready_ahead is not None and ready_at == len(gen.committed):
-                    drafts = Drafts(ready_ahead.tokens, ready_ahead.dists, "cache")
+                speculation: _Speculation | None = None
+                round_budget: int | None = None  # the budget this round tries (0 probes a round with no cache)
+                if launch is not None and launch.committed == len(gen.committed):
+                    drafts, verify_task, speculation = launch.drafts, launch.verify, launch.speculation
+                    round_budget = launch.budget
                     hit, draft_wait_ms = True, ready_wait_ms
-                elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
-                    drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
-                    hit, draft_wait_ms = True, ready_wait_ms
-                elif num_draft > 0:
-                    hit = None if index == 0 else False
-                    backup = "propose" if index == 0 else config.ssd_backup
-                    started = time.perf_counter()
-                    if backup == "ngram":
-                        guess = prompt_lookup(gen.committed, num_draft)
-                        drafts = Drafts(guess, one_hot(guess), "ngram")
-                    else:
-                        saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
-                        try:
-                            response = await draft.propose(
-                                gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro
-                            )
-                            dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
-                            drafts = Drafts(list(response.draft_tokens), dists, backup)
-                        except DraftFailed as exc:
-                            fallback, usable = str(exc), False
-                    draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
-                ready, ready_at, ready_wait_ms = None, -1, 0.0
-
-                await target_prefilled(gen)
-                sent_ahead = ready_ahead is not None and drafts.tokens == ready_ahead.tokens
-                if sent_ahead:
-                    verify_task = asyncio.ensure_future(ahead.answer(ready_ahead))
+                    launch = None
                 else:
-                    ahead.cancel()
+                    if launch is not None:
+                        launch.cancel()
+                        launch = None
+                    usable = gen.mode == "ssd" and draft is not None and await draft.usable()
+                    if not usable:
+                        fallback = draft.last_error if draft is not None else "no draft worker is configured"
+                    elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
+                        drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
+                        hit, draft_wait_ms = True, ready_wait_ms
+                    elif num_draft > 0:
+                        hit = None if index == 0 else False
+                        backup = "propose" if index == 0 else config.ssd_backup
+                        started = time.perf_counter()
+                        if backup == "ngram":
+                            guess = prompt_lookup(gen.committed, num_draft)
+                            drafts = Drafts(guess, one_hot(guess), "ngram")
+                        else:
+                            vocab = draft.info.vocab_size
+                            saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
+                            try:
+                                response = await draft.propose(
+                                    gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro
+                                )
+                                dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
+                                drafts = Drafts(list(response.draft_tokens), dists, backup)
+                            except DraftFailed as exc:
+                                fallback, usable = str(exc), False
+                        draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
+
+                    await target_prefilled(gen)
                     verify_task = asyncio.ensure_future(
                         target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
                     )
-                ready_ahead = None
-                spec_task = None
-                next_k = tuning.k
-                branches = 0
-                round_budget = tuning.budget if usable and remaining > 1 else None  # what this round tries
-                # Speculate only if another round may follow this one (k = 0 commits one token).
-                if round_budget:
-                    fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
-                    branches = sum(fanout)
-                    saguaro = _saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k])
-                    request = draft_pb2.SpeculateRequest(
-                        session_id=gen.session_id,
-                        draft_tokens=drafts.tokens,
-                        num_tokens=next_k,
-                        fanout=fanout,
-                        sampling=sampling_to_proto(gen.sampling),
-                        max_support=gen.max_support,
-                        saguaro=saguaro,
-                    )
-                    guesses = asyncio.get_running_loop().create_future()
-                    spec_task = asyncio.ensure_future(draft.speculate(gen.draft_session, list(gen.committed), request, guesses))
-                    if config.ssd_verify_ahead:
-                        spec_task.add_done_callback(
-                            functools.partial(_send_ahead, ahead, verify_task, drafts.tokens, next_k)
-                        )
-                spec_started = time.perf_counter()
+                    # Speculate only if another round may follow this one (k = 0 commits one token).
+                    round_budget = tuning.budget if usable and remaining > 1 else None
+                    if round_budget:
+                        speculation = _speculate(gen, gen.committed, drafts, draft, config, tuning, verify_task, ahead)
+                ready, ready_at, ready_wait_ms = None, -1, 0.0
                 try:
                     verify = await verify_task
                 except BaseException:
-                    if spec_task is not None:
-                        spec_task.cancel()
+                    if speculation is not None:
+                        speculation.task.cancel()
                     raise
                 accepted, next_token = verify.accepted, verify.next_token
                 tuning.observe_round(len(drafts.tokens), accepted)
 
                 # LOOK UP: round T+1's draft from the cache, if the build finishes in time.
                 speculate_ms = 0.0
-                if spec_task is not None:
+                if speculation is not None:
                     waited = time.perf_counter()
-                    cache = await _collect(spec_task, guesses, (accepted, next_token), config, verify.forward_ms, spec_started)
-                    lookup_wait_ms = (time.perf_counter() - waited) * 1000.0
+                    cache = await _collect(speculation, (accepted, next_token), config, verify.forward_ms)
+                    ready_wait_ms = (time.perf_counter() - waited) * 1000.0
                     if isinstance(cache, DraftFailed):
                         fallback = str(cache)
                     elif cache is None:  # gave up waiting: the build outlasts the verification
-                        waited_ms = (time.perf_counter() - spec_started) * 1000.0
-                        tuning.observe_build(round_budget, waited_ms, verify.forward_ms, next_k + 1)
+                        waited_ms = (time.perf_counter() - speculation.started) * 1000.0
+                        tuning.observe_build(speculation.budget, waited_ms, verify.forward_ms, speculation.num_tokens + 1)
                     elif cache is not _KNOWN_MISS:
                         speculate_ms = cache.forward_ms
                         if cache.entries:
-                            tuning.observe_build(round_budget, speculate_ms, verify.forward_ms, next_k + 1)
-                        for entry in cache.entries:
-                            if entry.accepted == accepted and entry.next_token == next_token:
-                                ready = Drafts(
-                                    list(entry.draft_tokens),
-                                    [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs],
-                                    "cache",
-                                )
-                                break
-                    ready_wait_ms = lookup_wait_ms
-                ready_ahead = ahead.take((accepted, next_token))  # cancels the call on a miss
+                            tuning.observe_build(speculation.budget, speculate_ms, verify.forward_ms, speculation.num_tokens + 1)
+                        ready = _entry_for(cache, (accepted, next_token))
                 tokens = drafts.tokens[:accepted] + [next_token]
-                # What a round costs per emitted token, at the budget it speculated with (a hit's
-                # saving shows in the next round, which this average also takes in).
-                if round_budget is not None:
-                    tuning.observe_time(round_budget, (time.perf_counter() - round_started) * 1000.0, len(tokens))
                 ready_at = len(gen.committed) + len(tokens)
+                # What a round costs per emitted token, at the budget it speculated with (a hit's
+                # saving shows in the next round, which this average also takes in). Rounds may
+                # overlap: a round's time runs from the previous round's end to its own.
+                now = time.perf_counter()
+                if round_budget is not None:
+                    tuning.observe_time(round_budget, (now - last_round_end) * 1000.0, len(tokens))
+                last_round_end = now
+                # A hit whose verify went ahead: round T+1 is on the target already; start the
+                # draft's Speculate beside it now, before the caller takes round T's tokens.
+                ahead_draft = ahead.take((accepted, next_token))  # cancels the call on a miss
+                if ahead_draft is not None:
+                    launch = _start_ahead(gen, tokens, ahead_draft, draft, config, tuning, ahead)
                 result = RoundResult(
                     index=index,
                     mode="ssd" if drafts.tokens else "off",
@@ -204,35 +246,66 @@ async def ssd_rounds(
                     fallback_reason=fallback,
                     hit=hit,
                     backup=backup,
-                    branches=branches,
+                    branches=speculation.branches if speculation is not None else 0,
                     speculate_ms=speculate_ms,
-                    verified_ahead=sent_ahead and ahead.answered_ahead,
+                    verified_ahead=drafts.source == "ahead" and ahead.answered_ahead,
                 )
                 span.record(result)
             yield result
             index += 1
     finally:
+        if launch is not None:
+            launch.cancel()
         ahead.cancel()
 
 
-def _send_ahead(ahead: VerifyAhead, verify_task: asyncio.Future, verifying: list[int], max_k: int, spec_task: asyncio.Future) -> None:
+def _entry_for(cache: draft_pb2.SpeculationCache, outcome: tuple[int, int]) -> Drafts | None:
+    for entry in cache.entries:
+        if (entry.accepted, entry.next_token) == outcome:
+            dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs]
+            return Drafts(list(entry.draft_tokens), dists, "cache")
+    return None
+
+
+def _start_ahead(
+    gen: Generation,
+    tokens: list[int],
+    ahead_draft: AheadDraft,
+    draft: DraftLink,
+    config: CoordinatorConfig,
+    tuning: Tuning,
+    ahead: VerifyAhead,
+) -> _Launch:
+    """Round T+1 from the draft sent ahead for round T's outcome, which emitted `tokens`."""
+    committed = gen.committed + tokens
+    drafts = Drafts(ahead_draft.tokens, ahead_draft.dists, "ahead")
+    verify_task = asyncio.ensure_future(ahead.answer(ahead_draft, committed))
+    speculation = None
+    # As any round: speculate if another may follow and the draft is up (it was a moment ago).
+    budget = tuning.budget if gen.max_len - len(committed) > 1 and draft.info is not None else None
+    if budget:
+        speculation = _speculate(gen, committed, drafts, draft, config, tuning, verify_task, ahead)
+    return _Launch(drafts, verify_task, speculation, budget, len(committed))
+
+
+def _send_ahead(
+    ahead: VerifyAhead,
+    verify_task: asyncio.Future,
+    committed: list[int],
+    verifying: list[int],
+    max_k: int,
+    spec_task: asyncio.Future,
+) -> None:
     """Once the cache is in: send round T+1's verifies ahead if Verify(T) has not answered yet."""
     if verify_task.done() or spec_task.cancelled() or spec_task.exception() is not None:
         return
-    ahead.send(verifying, spec_task.result(), lambda remaining: min(max_k, remaining - 1))
+    ahead.send(committed, verifying, spec_task.result(), lambda remaining: min(max_k, remaining - 1))
 
 
 _KNOWN_MISS = object()
 
 
-async def _collect(
-    spec_task: asyncio.Future,
-    guesses: asyncio.Future,
-    outcome: tuple[int, int],
-    config: CoordinatorConfig,
-    verify_ms: float,
-    started: float,
-):
+async def _collect(speculation: _Speculation, outcome: tuple[int, int], config: CoordinatorConfig, verify_ms: float):
     """The speculation cache once built, or why not: _KNOWN_MISS, None (gave up), DraftFailed.
 
     The stream names the outcomes it covers after its first forward: an outcome not among them
@@ -245,7 +318,8 @@ async def _collect(
         deadline = time.perf_counter() + config.ssd_wait_ms / 1000.0
     else:
         # The build was sized to end inside a verification; allow it half a verification more.
-        deadline = started + verify_ms * 1.5 / 1000.0
+        deadline = speculation.started + verify_ms * 1.5 / 1000.0
+    spec_task, guesses = speculation.task, speculation.guesses
     if not guesses.done():
         await asyncio.wait({guesses, spec_task}, return_when=asyncio.FIRST_COMPLETED)
     if guesses.done() and outcome not in guesses.result() and not spec_task.done():

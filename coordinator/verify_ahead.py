@@ -39,14 +39,21 @@ class VerifyAhead:
         self._drafts: dict[Outcome, AheadDraft] = {}
         self.answered_ahead = False  # the latest answer() came from the verify sent ahead
 
-    def send(self, verifying: list[int], cache: draft_pb2.SpeculationCache, num_draft: Callable[[int], int]) -> None:
-        """Offer the target round T+1 for every cached outcome of the draft `verifying` now.
+    def send(
+        self,
+        committed: list[int],
+        verifying: list[int],
+        cache: draft_pb2.SpeculationCache,
+        num_draft: Callable[[int], int],
+    ) -> None:
+        """Offer the target round T+1 for every cached outcome of verifying `verifying` after
+        `committed`.
 
         `num_draft(remaining)` is round T+1's K when `remaining` tokens may still be generated.
         Outcomes that end the request (no room left, or an EOS emitted) get no choice.
         """
         gen = self._gen
-        after = len(gen.committed)
+        after = len(committed)
         choices = []
         for entry in cache.entries:
             emitted = verifying[: entry.accepted] + [entry.next_token]  # d_1..d_k, t*
@@ -72,9 +79,9 @@ class VerifyAhead:
             self.cancel()
         return draft
 
-    async def answer(self, draft: AheadDraft) -> target_pb2.VerifyResponse:
-        """Round T+1's verify: the answer to the choice sent ahead, or the same draft verified
-        now if that call failed. `gen.committed` holds round T's tokens by now."""
+    async def answer(self, draft: AheadDraft, committed: list[int]) -> target_pb2.VerifyResponse:
+        """Round T+1's verify after `committed` (round T's tokens included): the answer to the
+        choice sent ahead, or the same draft verified now if that call failed."""
         gen, call = self._gen, self._call
         self._call, self._drafts = None, {}
         try:
@@ -83,10 +90,10 @@ class VerifyAhead:
             response = None
         self.answered_ahead = response is not None and response.matched
         if self.answered_ahead:
-            gen.target_session.answered(gen.committed, response.verify.cached_tokens)
+            gen.target_session.answered(committed, response.verify.cached_tokens)
             return response.verify
         return await self._target.verify(
-            gen.target_session, gen.committed, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs
+            gen.target_session, committed, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs
         )
 
     def cancel(self) -> None:

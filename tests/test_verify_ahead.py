@@ -235,3 +235,33 @@ def test_ssd_rounds_verified_ahead_stay_exact(tiny_pair, verify_ahead):
         assert sum(matched) > 0  # rounds did start on the target with no round trip
     else:
         assert matched == []
+
+
+@pytest.mark.parametrize("max_new_tokens", [7, 24])
+def test_requests_verified_ahead_end_cleanly(tiny_pair, max_new_tokens):
+    """At the length limit and at a stop string, rounds sent ahead are dropped: the output is
+    the reference's, cut where it should be, and neither worker keeps the session."""
+    model, tokenizer = load_reference(tiny_pair[0])
+    ids = tokenizer.encode("class Point:\n    def", add_special_tokens=True)
+    want = greedy_reference(model, ids, max_new_tokens)
+    stop = tokenizer.decode(want[len(want) // 2 : len(want) // 2 + 2])
+    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False)
+    with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
+        _slow_verify(stack.target.servicer.runner, 0.05)
+        matched = _record_verify_after(stack.coordinator.servicer)
+        stub = stack.stub()
+        by_length = stub.Generate(request(ids, mode=pb.SPECULATION_MODE_SSD, max_new_tokens=max_new_tokens), timeout=CALL_TIMEOUT_S)
+        by_stop = stub.Generate(
+            request(ids, mode=pb.SPECULATION_MODE_SSD, max_new_tokens=max_new_tokens, stop=[stop]), timeout=CALL_TIMEOUT_S
+        )
+        runners = (stack.target.servicer.runner, stack.draft.servicer.runner)
+        deadline = time.monotonic() + 5.0
+        while any(len(r.sessions) for r in runners) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [len(r.sessions) for r in runners] == [0, 0]
+    assert_greedy_equal_or_near_tie(model, ids, list(by_length.token_ids), want)
+    assert by_stop.finish_reason == pb.FINISH_REASON_STOP
+    assert stop in tokenizer.decode(list(by_stop.token_ids))
+    assert list(by_stop.token_ids) == want[: len(by_stop.token_ids)]
+    if max_new_tokens > 7:
+        assert sum(matched) > 0
