@@ -19,6 +19,7 @@ from tests.stack import count_calls
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+SAMPLED = common_pb2.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=7)
 
 
 # --- the outcome register -------------------------------------------------------------------
@@ -80,12 +81,21 @@ def target_stub(tiny_pair):
         channel.close()
 
 
-def _verify_request(session: str, start: int, tokens: list[int], drafts: list[int]) -> target_pb2.VerifyRequest:
+def _verify_request(
+    session: str, start: int, tokens: list[int], drafts: list[int], sampling: common_pb2.SamplingParams = GREEDY
+) -> target_pb2.VerifyRequest:
+    """Sampled: each draft token drawn from a q that gives it half the mass, its neighbours the rest."""
+    draft_probs = []
+    if sampling.temperature > 0:
+        draft_probs = [
+            common_pb2.SparseDistribution(token_ids=[d, (d + 1) % 300, (d + 2) % 300], probs=[0.5, 0.3, 0.2]) for d in drafts
+        ]
     return target_pb2.VerifyRequest(
         session_id=session,
         committed=common_pb2.CommittedTokens(start=start, token_ids=tokens),
         draft_tokens=drafts,
-        sampling=GREEDY,
+        draft_probs=draft_probs,
+        sampling=sampling,
         return_logprobs=True,
     )
 
@@ -101,29 +111,34 @@ def _end(stub, session: str) -> None:
     stub.EndSession(target_pb2.TargetEndSessionRequest(session_id=session), timeout=CALL_TIMEOUT_S)
 
 
-def _plain_rounds(stub, session: str, first_draft: list[int], second_draft: list[int]):
+def _plain_rounds(stub, session: str, first_draft: list[int], second_draft: list[int], sampling):
     """Two rounds by plain Verify calls: the reference a verify sent ahead must equal."""
     _prefill(stub, session)
-    first = stub.Verify(_verify_request(session, 0, PROMPT, first_draft), timeout=CALL_TIMEOUT_S)
+    first = stub.Verify(_verify_request(session, 0, PROMPT, first_draft, sampling), timeout=CALL_TIMEOUT_S)
     emitted = first_draft[: first.accepted] + [first.next_token]
-    second = stub.Verify(_verify_request(session, len(PROMPT), emitted, second_draft), timeout=CALL_TIMEOUT_S)
+    second = stub.Verify(_verify_request(session, len(PROMPT), emitted, second_draft, sampling), timeout=CALL_TIMEOUT_S)
     _end(stub, session)
     return first, emitted, second
 
 
-def test_the_choice_for_the_outcome_runs_right_after(target_stub):
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_choice_for_the_outcome_runs_right_after(target_stub, sampling):
+    """Randomness is keyed by seed and position: a sampled verify sent ahead draws what a
+    plain one would, so equality here carries the sampled tests of Verify over to it."""
     stack, stub = target_stub
     first_draft, second_draft = [8, 9, 10, 11], [1, 2, 3]
-    first, emitted, second = _plain_rounds(stub, "reference", first_draft, second_draft)
+    first, emitted, second = _plain_rounds(stub, "reference", first_draft, second_draft, sampling)
 
     _prefill(stub, "ahead")
     decoy = target_pb2.VerifyChoice(
         accepted=first.accepted,
         next_token=(first.next_token + 1) % 300,
-        verify=_verify_request("ahead", len(PROMPT), first_draft[: first.accepted] + [(first.next_token + 1) % 300], [4]),
+        verify=_verify_request("ahead", len(PROMPT), first_draft[: first.accepted] + [(first.next_token + 1) % 300], [4], sampling),
     )
     right = target_pb2.VerifyChoice(
-        accepted=first.accepted, next_token=first.next_token, verify=_verify_request("ahead", len(PROMPT), emitted, second_draft)
+        accepted=first.accepted,
+        next_token=first.next_token,
+        verify=_verify_request("ahead", len(PROMPT), emitted, second_draft, sampling),
     )
     # Sent before the verify it follows: it waits for that verify's outcome.
     ahead = stub.VerifyAfter.future(
@@ -131,7 +146,7 @@ def test_the_choice_for_the_outcome_runs_right_after(target_stub):
     )
     time.sleep(0.2)
     assert not ahead.done()
-    got_first = stub.Verify(_verify_request("ahead", 0, PROMPT, first_draft), timeout=CALL_TIMEOUT_S)
+    got_first = stub.Verify(_verify_request("ahead", 0, PROMPT, first_draft, sampling), timeout=CALL_TIMEOUT_S)
     answer = ahead.result(timeout=CALL_TIMEOUT_S)
     _end(stub, "ahead")
 
