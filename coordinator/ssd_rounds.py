@@ -169,20 +169,10 @@ async def ssd_rounds(
                         hit = None if index == 0 else False
                         backup = "propose" if index == 0 else config.ssd_backup
                         started = time.perf_counter()
-                        if backup == "ngram":
-                            guess = prompt_lookup(gen.committed, num_draft)
-                            drafts = Drafts(guess, one_hot(guess), "ngram")
-                        else:
-                            vocab = draft.info.vocab_size
-                            saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
-                            try:
-                                response = await draft.propose(
-                                    gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro
-                                )
-                                dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
-                                drafts = Drafts(list(response.draft_tokens), dists, backup)
-                            except DraftFailed as exc:
-                                fallback, usable = str(exc), False
+                        try:
+                            drafts = await _draft_without_cache(gen, draft, config, tuning, num_draft, backup)
+                        except DraftFailed as exc:
+                            fallback, usable = str(exc), False
                         draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
 
                     await target_prefilled(gen)
@@ -257,6 +247,20 @@ async def ssd_rounds(
         if launch is not None:
             launch.cancel()
         ahead.cancel()
+
+
+async def _draft_without_cache(
+    gen: Generation, draft: DraftLink, config: CoordinatorConfig, tuning: Tuning, num_draft: int, backup: str
+) -> Drafts:
+    """Round 0's draft, or a miss's: a prompt-lookup guess (`ngram`) or a Propose call."""
+    if backup == "ngram":
+        guess = prompt_lookup(gen.committed, num_draft)
+        return Drafts(guess, one_hot(guess), "ngram")
+    vocab = draft.info.vocab_size
+    saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
+    response = await draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro)
+    dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
+    return Drafts(list(response.draft_tokens), dists, backup)
 
 
 def _entry_for(cache: draft_pb2.SpeculationCache, outcome: tuple[int, int]) -> Drafts | None:
