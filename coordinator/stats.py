@@ -26,6 +26,7 @@ class RequestStats:
     cache_misses: int = 0
     draft_wait_ms: float = 0.0
     verify_ms: float = 0.0
+    verified_ahead: int = 0
     fallback_reason: str = ""
 
     def add(self, result: RoundResult) -> None:
@@ -34,6 +35,7 @@ class RequestStats:
         self.accepted_tokens += result.accepted
         self.draft_wait_ms += result.draft_wait_ms
         self.verify_ms += result.verify_ms
+        self.verified_ahead += result.verified_ahead
         if result.num_draft:
             self.speculative_rounds += 1
         if len(self.accepted_per_position) < result.accepted:
@@ -69,5 +71,6 @@ class RequestStats:
             cache_hit_rate=self.cache_hits / lookups if lookups else 0.0,
             draft_wait_ms=self.draft_wait_ms,
             verify_ms=self.verify_ms,
+            verified_ahead=self.verified_ahead,
             seed=self.seed,
         )

@@ -248,8 +248,9 @@ def test_ssd_rounds_verified_ahead_stay_exact(tiny_pair, verify_ahead):
     assert response.stats.cache_hits > 0
     if verify_ahead:
         assert sum(matched) > 0  # rounds did start on the target with no round trip
+        assert 0 < response.stats.verified_ahead <= sum(matched)
     else:
-        assert matched == []
+        assert matched == [] and response.stats.verified_ahead == 0
 
 
 @pytest.mark.parametrize("max_new_tokens", [7, 24])

@@ -87,6 +87,7 @@ def stats_dict(stats) -> dict:
         "cache_hit_rate": stats.cache_hit_rate,
         "draft_wait_ms": stats.draft_wait_ms,
         "verify_ms": stats.verify_ms,
+        "verified_ahead": stats.verified_ahead,
         "fallback_reason": stats.fallback_reason,
         "seed": stats.seed,
     }
