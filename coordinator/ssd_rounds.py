@@ -33,7 +33,7 @@ from coordinator.backup import one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation, RoundResult, target_prefilled
 from coordinator.ssd_tuning import Sizing, Tuning
-from coordinator.verify_ahead import AheadDraft, VerifyAhead
+from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
 from coordinator.workers import DraftFailed, DraftLink, TargetLink
 from specd.sampling import SparseDist
 from specd.v1 import draft_pb2, target_pb2
@@ -71,13 +71,15 @@ class _Launch:
     ahead to the target, and the Speculate beside it."""
 
     drafts: Drafts
-    verify: asyncio.Future
+    sent: SentAhead
+    verify: asyncio.Future  # -> its VerifyResponse, from the call sent ahead
     speculation: _Speculation | None
     budget: int | None  # the budget the round tries, as any round's
     committed: int  # len(committed) the round continues
 
     def cancel(self) -> None:
-        self.verify.cancel()
+        cancel_unawaited(self.verify)
+        self.sent.cancel()
         if self.speculation is not None:
             self.speculation.task.cancel()
 
@@ -220,9 +222,9 @@ async def ssd_rounds(
                 last_round_end = now
                 # A hit whose verify went ahead: round T+1 is on the target already; start the
                 # draft's Speculate beside it now, before the caller takes round T's tokens.
-                ahead_draft = ahead.take((accepted, next_token))  # cancels the call on a miss
-                if ahead_draft is not None:
-                    launch = _start_ahead(gen, tokens, ahead_draft, draft, config, tuning, ahead)
+                sent = ahead.take((accepted, next_token))  # cancels the call on a miss
+                if sent is not None:
+                    launch = _start_ahead(gen, tokens, sent, draft, config, tuning, ahead)
                 result = RoundResult(
                     index=index,
                     mode="ssd" if drafts.tokens else "off",
@@ -274,7 +276,7 @@ def _entry_for(cache: draft_pb2.SpeculationCache, outcome: tuple[int, int]) -> D
 def _start_ahead(
     gen: Generation,
     tokens: list[int],
-    ahead_draft: AheadDraft,
+    sent: SentAhead,
     draft: DraftLink,
     config: CoordinatorConfig,
     tuning: Tuning,
@@ -282,14 +284,14 @@ def _start_ahead(
 ) -> _Launch:
     """Round T+1 from the draft sent ahead for round T's outcome, which emitted `tokens`."""
     committed = gen.committed + tokens
-    drafts = Drafts(ahead_draft.tokens, ahead_draft.dists, "ahead")
-    verify_task = asyncio.ensure_future(ahead.answer(ahead_draft, committed))
+    drafts = Drafts(sent.draft.tokens, sent.draft.dists, "ahead")
+    verify_task = asyncio.ensure_future(ahead.answer(sent, committed))
     speculation = None
     # As any round: speculate if another may follow and the draft is up (it was a moment ago).
     budget = tuning.budget if gen.max_len - len(committed) > 1 and draft.info is not None else None
     if budget:
         speculation = _speculate(gen, committed, drafts, draft, config, tuning, verify_task, ahead)
-    return _Launch(drafts, verify_task, speculation, budget, len(committed))
+    return _Launch(drafts, sent, verify_task, speculation, budget, len(committed))
 
 
 def _send_ahead(

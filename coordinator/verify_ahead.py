@@ -29,6 +29,24 @@ class AheadDraft:
     dists: list[SparseDist]
 
 
+@dataclasses.dataclass(frozen=True)
+class SentAhead:
+    """Round T+1's draft for the outcome Verify(T) reported, and the call that verifies it."""
+
+    draft: AheadDraft
+    call: asyncio.Future  # -> target_pb2.VerifyAfterResponse
+
+    def cancel(self) -> None:
+        cancel_unawaited(self.call)
+
+
+def cancel_unawaited(call: asyncio.Future) -> None:
+    """Cancel a call nobody will await, retrieving its error if it already ended with one."""
+    call.cancel()
+    if call.done() and not call.cancelled():
+        call.exception()  # retrieved, so that asyncio does not log it
+
+
 class VerifyAhead:
     """A request's VerifyAfter call in flight, if any, and the draft each of its choices verifies."""
 
@@ -71,21 +89,23 @@ class VerifyAhead:
         if choices:
             self._call = asyncio.ensure_future(self._target.verify_after(gen.session_id, after, choices))
 
-    def take(self, outcome: Outcome) -> AheadDraft | None:
-        """The draft sent ahead for Verify(T)'s `outcome`, whose answer `answer()` then awaits;
-        None (and the call cancelled) if none was."""
+    def take(self, outcome: Outcome) -> SentAhead | None:
+        """What was sent ahead for Verify(T)'s `outcome`, now the caller's to await (answer())
+        or cancel; None, and the call cancelled, if nothing was."""
         draft = self._drafts.get(outcome) if self._call is not None else None
         if draft is None:
             self.cancel()
-        return draft
+            return None
+        sent = SentAhead(draft, self._call)
+        self._call, self._drafts = None, {}
+        return sent
 
-    async def answer(self, draft: AheadDraft, committed: list[int]) -> target_pb2.VerifyResponse:
+    async def answer(self, sent: SentAhead, committed: list[int]) -> target_pb2.VerifyResponse:
         """Round T+1's verify after `committed` (round T's tokens included): the answer to the
         choice sent ahead, or the same draft verified now if that call failed."""
-        gen, call = self._gen, self._call
-        self._call, self._drafts = None, {}
+        gen, draft = self._gen, sent.draft
         try:
-            response = await call
+            response = await sent.call
         except Exception:  # noqa: BLE001 - the plain Verify below re-syncs or reports the target's state
             response = None
         self.answered_ahead = response is not None and response.matched
@@ -98,7 +118,5 @@ class VerifyAhead:
 
     def cancel(self) -> None:
         if self._call is not None:
-            self._call.cancel()
-            if self._call.done() and not self._call.cancelled():
-                self._call.exception()  # retrieved, so that asyncio does not log it
+            cancel_unawaited(self._call)
         self._call, self._drafts = None, {}
