@@ -59,7 +59,6 @@ class _Speculation:
 
     task: asyncio.Future  # -> draft_pb2.SpeculationCache
     guesses: asyncio.Future  # -> the outcomes (k, t*) the cache will hold
-    budget: int
     branches: int
     num_tokens: int  # K' drafted after each guess
     started: float
@@ -109,10 +108,11 @@ def _speculate(
         saguaro=_saguaro(config, gen, tuning.fanout(next_k, vocab, config.ssd_fanout_r)[:next_k]),
     )
     guesses = asyncio.get_running_loop().create_future()
-    task = asyncio.ensure_future(draft.speculate(gen.draft_session, list(committed), request, guesses))
+    committed = list(committed)  # as it stands now: the caller's list grows when this round commits
+    task = asyncio.ensure_future(draft.speculate(gen.draft_session, committed, request, guesses))
     if config.ssd_verify_ahead:
-        task.add_done_callback(functools.partial(_send_ahead, ahead, verify_task, list(committed), drafts.tokens, next_k))
-    return _Speculation(task, guesses, tuning.budget, sum(fanout), next_k, time.perf_counter())
+        task.add_done_callback(functools.partial(_send_ahead, ahead, verify_task, committed, drafts.tokens, next_k))
+    return _Speculation(task, guesses, sum(fanout), next_k, time.perf_counter())
 
 
 async def ssd_rounds(
@@ -205,11 +205,11 @@ async def ssd_rounds(
                         fallback = str(cache)
                     elif cache is None:  # gave up waiting: the build outlasts the verification
                         waited_ms = (time.perf_counter() - speculation.started) * 1000.0
-                        tuning.observe_build(speculation.budget, waited_ms, verify.forward_ms, speculation.num_tokens + 1)
+                        tuning.observe_build(round_budget, waited_ms, verify.forward_ms, speculation.num_tokens + 1)
                     elif cache is not _KNOWN_MISS:
                         speculate_ms = cache.forward_ms
                         if cache.entries:
-                            tuning.observe_build(speculation.budget, speculate_ms, verify.forward_ms, speculation.num_tokens + 1)
+                            tuning.observe_build(round_budget, speculate_ms, verify.forward_ms, speculation.num_tokens + 1)
                         ready = _entry_for(cache, (accepted, next_token))
                 tokens = drafts.tokens[:accepted] + [next_token]
                 ready_at = len(gen.committed) + len(tokens)
