@@ -54,7 +54,8 @@ class VerifyAhead:
         self._gen = gen
         self._target = target
         self._call: asyncio.Future | None = None
-        self._drafts: dict[Outcome, AheadDraft] = {}
+        # Each choice's cache entry and how many of its draft tokens the choice verifies.
+        self._choices: dict[Outcome, tuple[draft_pb2.SpeculationEntry, int]] = {}
         self.answered_ahead = False  # the latest answer() came from the verify sent ahead
 
     def send(
@@ -78,26 +79,27 @@ class VerifyAhead:
             count = num_draft(gen.max_len - after - len(emitted))
             if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted):
                 continue
-            draft = AheadDraft(
-                list(entry.draft_tokens[:count]),
-                [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs[:count]],
-            )
             tail = common_pb2.CommittedTokens(start=after, token_ids=emitted)
-            request = verify_request(gen.session_id, tail, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs)
+            request = verify_request(
+                gen.session_id, tail, entry.draft_tokens[:count], entry.draft_probs[:count], gen.sampling, gen.return_logprobs
+            )
             choices.append(target_pb2.VerifyChoice(accepted=entry.accepted, next_token=entry.next_token, verify=request))
-            self._drafts[(entry.accepted, entry.next_token)] = draft
+            self._choices[(entry.accepted, entry.next_token)] = (entry, count)
         if choices:
             self._call = asyncio.ensure_future(self._target.verify_after(gen.session_id, after, choices))
 
     def take(self, outcome: Outcome) -> SentAhead | None:
         """What was sent ahead for Verify(T)'s `outcome`, now the caller's to await (answer())
         or cancel; None, and the call cancelled, if nothing was."""
-        draft = self._drafts.get(outcome) if self._call is not None else None
-        if draft is None:
+        choice = self._choices.get(outcome) if self._call is not None else None
+        if choice is None:
             self.cancel()
             return None
-        sent = SentAhead(draft, self._call)
-        self._call, self._drafts = None, {}
+        entry, count = choice
+        # Only the winning entry's q is turned into SparseDists: the fallback Verify needs them.
+        dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs[:count]]
+        sent = SentAhead(AheadDraft(list(entry.draft_tokens[:count]), dists), self._call)
+        self._call, self._choices = None, {}
         return sent
 
     async def answer(self, sent: SentAhead, committed: list[int]) -> target_pb2.VerifyResponse:
@@ -119,4 +121,4 @@ class VerifyAhead:
     def cancel(self) -> None:
         if self._call is not None:
             cancel_unawaited(self._call)
-        self._call, self._drafts = None, {}
+        self._call, self._choices = None, {}

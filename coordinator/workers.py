@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 
@@ -93,15 +93,16 @@ def verify_request(
     session_id: str,
     tail: common_pb2.CommittedTokens,
     draft_tokens: list[int],
-    draft_dists: list[SparseDist],
+    draft_probs: Iterable[common_pb2.SparseDistribution],
     sampling: SamplingSettings,
     return_logprobs: bool,
 ) -> target_pb2.VerifyRequest:
+    """A Verify of `draft_tokens` after `tail`; greedy verifies send no draft distributions."""
     return target_pb2.VerifyRequest(
         session_id=session_id,
         committed=tail,
         draft_tokens=draft_tokens,
-        draft_probs=[] if sampling.greedy else [sparse_to_proto(d) for d in draft_dists],
+        draft_probs=[] if sampling.greedy else draft_probs,
         sampling=sampling_to_proto(sampling),
         return_logprobs=return_logprobs,
     )
@@ -145,7 +146,8 @@ class TargetLink:
         return_logprobs: bool,
     ) -> target_pb2.VerifyResponse:
         async def call(tail):
-            request = verify_request(session.session_id, tail, draft_tokens, draft_dists, sampling, return_logprobs)
+            probs = [] if sampling.greedy else [sparse_to_proto(d) for d in draft_dists]
+            request = verify_request(session.session_id, tail, draft_tokens, probs, sampling, return_logprobs)
             return await self._stub.Verify(request, metadata=self._metadata(), timeout=self.timeout_s)
 
         try:

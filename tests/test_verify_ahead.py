@@ -58,16 +58,14 @@ def test_outcomes_keep_a_bounded_number_of_sessions():
         outcomes = VerifyOutcomes(capacity=2)
         for name in ("a", "b", "c"):
             outcomes.record(name, 4, (0, 1))
-        return await asyncio.wait_for(outcomes.wait("c", 4), 1.0), asyncio.ensure_future(outcomes.wait("a", 4))
-
-    async def forgotten_waits():
-        recent, oldest = await scenario()
+        recent = await asyncio.wait_for(outcomes.wait("c", 4), 1.0)
+        oldest = asyncio.ensure_future(outcomes.wait("a", 4))  # "a" was forgotten: its wait goes on
         await asyncio.sleep(0.05)
-        done = oldest.done()
+        waiting = not oldest.done()
         oldest.cancel()
-        return recent, done
+        return recent, waiting
 
-    assert asyncio.run(forgotten_waits()) == ((0, 1), False)  # "a" was forgotten: its wait goes on
+    assert asyncio.run(scenario()) == ((0, 1), True)
 
 
 # --- the target worker's VerifyAfter ----------------------------------------------------------
