@@ -22,10 +22,11 @@ from typing import Callable
 
 import torch
 
+from draft_service.tree_mask import tree_mask, tree_supported
+from specd.forward import forward_logits
 from specd.saguaro import reshape_sorted
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
 from specd.session_cache import Session, _croppable
-from specd.forward import forward_logits
 
 
 class SpeculationCancelled(Exception):
@@ -114,21 +115,6 @@ def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int]) -
     return roots
 
 
-def _tree_mask(prefix_visible: torch.Tensor, prefix_len: int, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive attention mask [1, 1, B, prefix_len + step*B] for tree step `step` (1-based).
-
-    prefix_visible: [B] int64, how many prefix cache entries branch b sees (n + j_b).
-    Cache layout: the prefix, then `step` blocks of B entries (block t holds every branch's
-    t-th token), so branch b sees entry b of each block.
-    """
-    branches = prefix_visible.shape[0]
-    prefix = torch.arange(prefix_len).unsqueeze(0) < prefix_visible.unsqueeze(1)  # [B, L0]
-    tree = torch.eye(branches, dtype=torch.bool).repeat(1, step)  # [B, step*B]
-    visible = torch.cat([prefix, tree], dim=1)  # [B, L0 + step*B]
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]  # [1, 1, B, L0 + step*B]
-
-
 @torch.inference_mode()
 def build(
     model,
@@ -160,8 +146,9 @@ def build(
     roots = _guesses(logits, draft_tokens, fanout)
     if on_guesses is not None:
         on_guesses(roots)  # the caller can tell a miss now, K' tree steps before the entries
-    if not roots or num_tokens == 0 or not _croppable(session.cache):
-        # Sliding-window caches cannot drop the tree afterwards: no branches for them.
+    if not roots or num_tokens == 0 or not _croppable(session.cache) or not tree_supported(model.config):
+        # Sliding-window caches cannot drop the tree afterwards, and layers that are neither
+        # full nor sliding-window attention get no mask here: no branches for them.
         return SpeculationResult([], (time.perf_counter() - started) * 1000.0)
 
     n = len(committed)  # absolute position of d_1; guess (j, g) sits at n + j
@@ -179,7 +166,8 @@ def build(
                 raise SpeculationCancelled()
             input_ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, B]
             position_ids = (n + offsets + step - 1).unsqueeze(0).to(device)  # [1, B]
-            mask = _tree_mask(n + offsets, prefix_len, step, dtype).to(device)  # [1, 1, B, L0 + step*B]
+            mask = tree_mask(model.config, n + offsets, prefix_len, step, dtype)  # [1, 1, B, L0 + step*B] (per layer type)
+            mask = {kind: m.to(device) for kind, m in mask.items()} if isinstance(mask, dict) else mask.to(device)
             output = model(
                 input_ids=input_ids,
                 attention_mask=mask,

@@ -16,6 +16,7 @@ from draft_service.speculation import SpeculationCancelled
 from specd.models import load_causal_lm
 from specd.sampling import SamplingSettings
 from specd.session_cache import SessionStore
+from tests.tiny_models import build_tokenizer
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 
@@ -34,6 +35,39 @@ def _fresh(runner, sid: str, committed: list[int]) -> None:
 @pytest.mark.parametrize("num_draft, num_tokens", [(0, 3), (1, 1), (4, 4), (8, 3)])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_branches_equal_autoregressive_proposals(runner, num_draft, num_tokens, temperature):
+    _assert_branches_equal_proposals(runner, num_draft, num_tokens, temperature)
+
+
+def _sliding_window_config(kind: str):
+    """A tiny config whose window (4) is shorter than PROMPT: all layers windowed, or mixed."""
+    from transformers import MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25)
+    if kind == "all-windowed":
+        return MistralConfig(sliding_window=4, **common)
+    return Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)  # full, then windowed
+
+
+@pytest.fixture(scope="module", params=["all-windowed", "mixed"])
+def windowed_runner(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    folder = tmp_path_factory.mktemp(f"windowed-{request.param}")
+    AutoModelForCausalLM.from_config(_sliding_window_config(request.param)).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    loaded = load_causal_lm(str(folder), dtype="float32", device="cpu")
+    return DraftModelRunner(loaded, SessionStore(max_sessions=64, idle_timeout_s=300.0), max_support=64)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_branches_equal_proposals_under_a_sliding_window(windowed_runner, temperature):
+    """The tree's mask applies the window at each branch's own positions, as a plain forward does."""
+    _assert_branches_equal_proposals(windowed_runner, 4, 4, temperature)
+
+
+def _assert_branches_equal_proposals(runner, num_draft: int, num_tokens: int, temperature: float) -> None:
     sampling = SamplingSettings(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=1234)
     _fresh(runner, "tree", PROMPT)
     drafts = runner.propose("tree", 0, PROMPT, num_draft, sampling, 0).draft_tokens if num_draft else []
