@@ -77,10 +77,38 @@ def perturbed_copy(model, noise: float, seed: int):
     return draft
 
 
-def save_pair(root: pathlib.Path, noise: float = 0.02, seed: int = 0) -> tuple[str, str]:
+def architecture_config(kind: str, vocab_size: int, eos_id: int):
+    """A tiny config of another model family than Llama, each with what sets it apart:
+    learned absolute positions (gpt2), partial rotary (gpt_neox), windowed and full layers
+    mixed, with a window shorter than a request (qwen2), logit soft-capping and alternating
+    windows (gemma2)."""
+    import transformers
+
+    ids = dict(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, initializer_range=0.25)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **ids)
+    if kind == "gpt_neox":
+        return transformers.GPTNeoXConfig(rotary_pct=0.5, **shape, **ids)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=1, **shape, **ids
+        )
+    if kind == "gemma2":
+        return transformers.Gemma2Config(num_key_value_heads=2, head_dim=16, sliding_window=16, **shape, **ids)
+    raise ValueError(f"no tiny config for {kind}")
+
+
+def save_pair(root: pathlib.Path, noise: float = 0.02, seed: int = 0, architecture: str = "llama") -> tuple[str, str]:
     """Write a target and a perturbed draft (same tokenizer) under root; return their folders."""
     tokenizer = build_tokenizer()
-    target = build_llama(len(tokenizer), seed=seed, eos_id=tokenizer.eos_token_id)
+    if architecture == "llama":
+        target = build_llama(len(tokenizer), seed=seed, eos_id=tokenizer.eos_token_id)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        target = AutoModelForCausalLM.from_config(architecture_config(architecture, len(tokenizer), tokenizer.eos_token_id)).eval()
     draft = perturbed_copy(target, noise, seed + 1)
     paths = []
     for name, model in (("target", target), ("draft", draft)):
