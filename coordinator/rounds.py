@@ -56,6 +56,7 @@ class RoundResult:
     # ssd only: whether this round's draft came from the speculation cache (None: no lookup),
     # the backup that drafted it on a miss, and the branches built during its verification.
     hit: bool | None = None
+    miss: str = ""  # why a lookup missed: uncovered, late, failed or no_speculation (see ssd_rounds)
     backup: str = ""
     branches: int = 0
     speculate_ms: float = 0.0  # the draft worker's forwards for those branches

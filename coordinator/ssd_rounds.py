@@ -137,6 +137,7 @@ async def ssd_rounds(
     ready: Drafts | None = None  # round T+1's draft from a cache hit, keyed to len(committed)
     ready_at = -1
     ready_wait_ms = 0.0  # what the loop waited on the draft to get it
+    next_miss = ""  # if the next round misses, why (MISS_* below)
     ahead = VerifyAhead(gen, target)
     launch: _Launch | None = None  # this round, already under way
     last_round_end = time.perf_counter()
@@ -147,6 +148,7 @@ async def ssd_rounds(
                 num_draft = min(tuning.k, remaining - 1)
                 fallback = ""
                 hit: bool | None = None
+                round_miss = ""
                 backup = ""
                 draft_wait_ms = 0.0
                 drafts = Drafts([], [], "")
@@ -169,6 +171,7 @@ async def ssd_rounds(
                         hit, draft_wait_ms = True, ready_wait_ms
                     elif num_draft > 0:
                         hit = None if index == 0 else False
+                        round_miss = "" if index == 0 else next_miss
                         backup = "propose" if index == 0 else config.ssd_backup
                         started = time.perf_counter()
                         try:
@@ -186,6 +189,7 @@ async def ssd_rounds(
                     if round_budget:
                         speculation = _speculate(gen, gen.committed, drafts, draft, config, tuning, verify_task, ahead)
                 ready, ready_at, ready_wait_ms = None, -1, 0.0
+                next_miss = MISS_NO_SPECULATION
                 try:
                     verify = await verify_task
                 except BaseException:
@@ -201,6 +205,7 @@ async def ssd_rounds(
                     waited = time.perf_counter()
                     cache = await _collect(speculation, (accepted, next_token), config, verify.forward_ms)
                     ready_wait_ms = (time.perf_counter() - waited) * 1000.0
+                    next_miss = _miss_reason(cache)
                     if isinstance(cache, DraftFailed):
                         fallback = str(cache)
                     elif cache is None:  # gave up waiting: the build outlasts the verification
@@ -237,6 +242,7 @@ async def ssd_rounds(
                     verify_ms=verify.forward_ms,
                     fallback_reason=fallback,
                     hit=hit,
+                    miss=round_miss,
                     backup=backup,
                     branches=speculation.branches if speculation is not None else 0,
                     speculate_ms=speculate_ms,
@@ -309,6 +315,19 @@ def _send_ahead(
 
 
 _KNOWN_MISS = object()
+
+# Why a round's cache lookup missed, on its span (`specd.round.miss`): the outcome was not among
+# the guesses, the build was given up on, the Speculate call failed, or none was made for it.
+MISS_UNCOVERED, MISS_LATE, MISS_FAILED, MISS_NO_SPECULATION = "uncovered", "late", "failed", "no_speculation"
+
+
+def _miss_reason(cache) -> str:
+    """What a miss of the round after this one is put down to, given what _collect returned."""
+    if isinstance(cache, DraftFailed):
+        return MISS_FAILED
+    if cache is None:
+        return MISS_LATE
+    return MISS_UNCOVERED  # a hit never asks
 
 
 async def _collect(speculation: _Speculation, outcome: tuple[int, int], config: CoordinatorConfig, verify_ms: float):

@@ -266,3 +266,36 @@ def test_without_an_exporter_calls_carry_the_traceparent_themselves(clean_env):
     recording = TracerProvider()
     assert telemetry.records_spans(recording) and telemetry.client_interceptors(recording)
     assert telemetry.server_interceptors(recording)
+
+
+@pytest.mark.parametrize(
+    "overrides, reasons",
+    [
+        # No cache is ever built: every lookup after round 0 misses, for that reason alone.
+        (dict(ssd_budget=0, ssd_backup="jit", ssd_adaptive=False), {"no_speculation"}),
+        # A cache built and waited for: a miss can only be an outcome it did not cover.
+        (dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False), {"uncovered"}),
+    ],
+)
+def test_ssd_rounds_say_why_a_lookup_missed(traced, overrides, reasons):
+    from coordinator.ssd_tuning import Sizing
+
+    stack, exporters = traced
+    servicer = stack.coordinator.servicer
+    config, sizing = servicer.config, servicer.ssd_sizing
+    servicer.config = dataclasses.replace(config, **overrides)
+    servicer.ssd_sizing = Sizing(max_budget=servicer.config.ssd_budget)
+    try:
+        ssd = _request(24)
+        ssd.speculation.mode = pb.SPECULATION_MODE_SSD
+        response = stack.stub().Generate(ssd, timeout=CALL_TIMEOUT_S)
+    finally:
+        servicer.config, servicer.ssd_sizing = config, sizing
+    assert response.stats.mode == pb.SPECULATION_MODE_SSD
+    rounds = [s for s in _spans(exporters, response.trace_id)["coordinator"] if s.name == "spec_round"]
+    misses = [s for s in rounds if s.attributes.get("specd.round.cache") == "miss"]
+    assert len(misses) == response.stats.cache_misses
+    assert {s.attributes["specd.round.miss"] for s in misses} <= reasons
+    assert not any("specd.round.miss" in s.attributes for s in rounds if s not in misses)
+    if "no_speculation" in reasons:
+        assert misses and response.stats.cache_hits == 0
