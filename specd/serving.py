@@ -41,6 +41,11 @@ class ModelThread:
     async def run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Queue `fn(*args)` behind the work already queued, from any thread (the model
+        thread included: work it queues for itself runs without a turn of the event loop)."""
+        return self._executor.submit(fn, *args)
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

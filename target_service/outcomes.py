@@ -1,54 +1,113 @@
-"""Each session's latest verify outcome, for the verifies sent ahead (VerifyAfter) to wait on.
+"""Each session's latest verify outcome, and the verifies sent ahead (VerifyAfter) waiting on it.
 
 A verify is named by its session and the committed tokens it was sent (start + tail); its
-outcome is (k accepted, next token t*). Lives on the event loop: no locks.
+outcome is (k accepted, next token t*). The model thread records an outcome right after its
+forward and, when a verify sent ahead holds a choice for that outcome, queues that choice on
+the model thread itself: the next forward starts without a turn of the event loop, which on a
+busy machine waits for a core (the event loop learns of it when the answer is ready).
+Recorded from the model thread, waited on from the event loop: a lock guards both.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Callable
 
 Outcome = tuple[int, int]  # (k, t*)
 
 
+@dataclasses.dataclass
+class Waiter:
+    """A verify sent ahead: its choices by outcome, and the answer the event loop awaits."""
+
+    committed: int  # the verify it follows left this many committed tokens
+    choices: dict[Outcome, object]  # outcome -> what `run_choice` takes for it
+    answer: concurrent.futures.Future  # -> run_choice's result, or None when nothing ran
+
+
 class VerifyOutcomes:
-    def __init__(self, capacity: int = 4096):
+    """`run_choice(choice)` runs a chosen verify on the model thread and records its
+    outcome; `submit(fn, *args)` queues work on the model thread from any thread."""
+
+    def __init__(self, run_choice: Callable, submit: Callable, capacity: int = 4096):
+        self._run_choice = run_choice
+        self._submit = submit
         self._capacity = capacity  # sessions remembered; the oldest are forgotten first
+        self._lock = threading.Lock()
         self._latest: collections.OrderedDict[str, tuple[int, Outcome]] = collections.OrderedDict()
-        self._waiters: dict[str, list[tuple[int, asyncio.Future]]] = {}
+        self._waiters: dict[str, list[Waiter]] = {}
 
     def record(self, session_id: str, committed: int, outcome: Outcome) -> None:
-        """The session's verify of `committed` tokens finished with `outcome`."""
-        self._latest[session_id] = (committed, outcome)
-        self._latest.move_to_end(session_id)
-        while len(self._latest) > self._capacity:
-            self._latest.popitem(last=False)
-        for length, waiter in self._waiters.get(session_id, []):
-            if length <= committed and not waiter.done():
-                # A later verify than the one waited for means that one will not come.
-                waiter.set_result(outcome if length == committed else None)
+        """The session's verify of `committed` tokens finished with `outcome` (model thread)."""
+        with self._lock:
+            self._latest[session_id] = (committed, outcome)
+            self._latest.move_to_end(session_id)
+            while len(self._latest) > self._capacity:
+                self._latest.popitem(last=False)
+            waiters = self._waiters.get(session_id, [])
+            # A later verify than the one waited for means that one will not come.
+            settled = [w for w in waiters if w.committed <= committed]
+            if settled:
+                self._waiters[session_id] = [w for w in waiters if w.committed > committed]
+                if not self._waiters[session_id]:
+                    del self._waiters[session_id]
+        for waiter in settled:
+            self._settle(waiter, outcome if waiter.committed == committed else None)
 
-    async def wait(self, session_id: str, committed: int) -> Outcome | None:
-        """The outcome of the session's verify of `committed` tokens, once it has finished;
-        None if the session has moved past it or ended."""
-        latest = self._latest.get(session_id)
-        if latest is not None and latest[0] >= committed:
-            return latest[1] if latest[0] == committed else None
-        waiter = asyncio.get_running_loop().create_future()
-        entry = (committed, waiter)
-        self._waiters.setdefault(session_id, []).append(entry)
-        try:
-            return await waiter
-        finally:
-            waiters = self._waiters[session_id]
-            waiters.remove(entry)
-            if not waiters:
-                del self._waiters[session_id]
+    def expect(self, session_id: str, committed: int, choices: dict[Outcome, object]) -> Waiter:
+        """A verify sent ahead to follow the session's verify of `committed` tokens (event loop).
+
+        Its answer is the chosen verify's result once run, or None when its outcome has no
+        choice, the session moved past that verify, or ended.
+        """
+        waiter = Waiter(committed, choices, concurrent.futures.Future())
+        with self._lock:
+            latest = self._latest.get(session_id)
+            if latest is None or latest[0] < committed:
+                self._waiters.setdefault(session_id, []).append(waiter)
+                return waiter
+        self._settle(waiter, latest[1] if latest[0] == committed else None)
+        return waiter
+
+    def discard(self, session_id: str, waiter: Waiter) -> None:
+        """The caller gave up on `waiter` (a cancelled call): its choice is not run."""
+        with self._lock:
+            waiters = self._waiters.get(session_id, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[session_id]
+        waiter.answer.cancel()
 
     def forget(self, session_id: str) -> None:
         """The session ended: nothing more will be verified in it."""
-        self._latest.pop(session_id, None)
-        for _, waiter in self._waiters.get(session_id, []):
-            if not waiter.done():
-                waiter.set_result(None)
+        with self._lock:
+            self._latest.pop(session_id, None)
+            waiters = self._waiters.pop(session_id, [])
+        for waiter in waiters:
+            _resolve(waiter.answer, None)
+
+    def _settle(self, waiter: Waiter, outcome: Outcome | None) -> None:
+        choice = waiter.choices.get(outcome) if outcome is not None else None
+        if choice is None:
+            _resolve(waiter.answer, None)
+        else:
+            self._submit(self._answer, waiter, choice)
+
+    def _answer(self, waiter: Waiter, choice: object) -> None:
+        """On the model thread: run the chosen verify, unless its caller has given up."""
+        if not waiter.answer.set_running_or_notify_cancel():
+            return
+        try:
+            waiter.answer.set_result(self._run_choice(choice))
+        except BaseException as exc:  # noqa: BLE001 - the caller's RPC reports it
+            waiter.answer.set_exception(exc)
+
+
+def _resolve(answer: concurrent.futures.Future, value) -> None:
+    """Set `answer` unless its caller has cancelled it already."""
+    if answer.set_running_or_notify_cancel():
+        answer.set_result(value)

@@ -2,14 +2,46 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import time
+
+from specd.sampling import SamplingSettings, SparseDist
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
 from specd.telemetry import get_tracer, set_specd, worker_span
 from specd.v1 import target_pb2, target_pb2_grpc
 from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from target_service.outcomes import VerifyOutcomes
-from target_service.runner import TargetModelRunner
+from target_service.runner import TargetModelRunner, VerifyOutcome
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A checked VerifyRequest, in the runner's terms."""
+
+    session_id: str
+    start: int
+    tokens: list[int]  # the committed tail
+    draft_tokens: list[int]
+    dists: list[SparseDist]  # empty when greedy
+    sampling: SamplingSettings
+    return_logprobs: bool
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timed:
+    """A verify's outcome with the wall-clock times it ran between (for its span)."""
+
+    outcome: VerifyOutcome
+    prepared: _Prepared
+    started_ns: int
+    ended_ns: int
 
 
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
@@ -19,7 +51,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         self.runner: TargetModelRunner | None = None  # set once the model is loaded
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_target
         self.metrics = None
-        self._outcomes = VerifyOutcomes()  # what VerifyAfter waits on
+        # What VerifyAfter waits on; a chosen verify runs on the model thread straight after.
+        self._outcomes = VerifyOutcomes(self._run_choice, thread.submit)
 
     def _observe(self, op: str, forward_ms: float) -> None:
         if self.metrics is not None:
@@ -45,8 +78,15 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
 
     async def Verify(self, request, context):
         try:
-            response = await self._verify(request)
-        except Exception as exc:  # noqa: BLE001
+            runner = self._ready_runner()
+            prepared = self._prepare(runner, request)
+            with worker_span(
+                self.tracer, "spec_verify", tokens_verified=prepared.num_draft + 1, new_committed_tokens=len(prepared.tokens)
+            ) as span:
+                timed = await self._thread.run(self._verify_and_record, runner, prepared)
+                set_specd(span, forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus)
+            response = self._response(timed.outcome)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
         return response
 
@@ -59,18 +99,24 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
                     raise InvalidRequest(
                         f"choices[{i}].verify must continue session {request.session_id!r} at position {request.after}"
                     )
-            outcome = await self._outcomes.wait(request.session_id, request.after)
-            chosen = next((c for c in request.choices if (c.accepted, c.next_token) == outcome), None)
+            # Checked in full only once chosen, on the model thread (most choices never run).
+            choices = {(c.accepted, c.next_token): c.verify for c in request.choices}
+            waiter = self._outcomes.expect(request.session_id, request.after, choices)
+            try:
+                timed = await asyncio.wrap_future(waiter.answer)
+            except asyncio.CancelledError:
+                self._outcomes.discard(request.session_id, waiter)
+                raise
             response = target_pb2.VerifyAfterResponse(matched=False)
-            if chosen is not None:
-                response = target_pb2.VerifyAfterResponse(matched=True, verify=await self._verify(chosen.verify))
+            if timed is not None:
+                self._record_span(timed)
+                response = target_pb2.VerifyAfterResponse(matched=True, verify=self._response(timed.outcome))
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
         return response
 
-    async def _verify(self, request) -> target_pb2.VerifyResponse:
-        """Check a VerifyRequest, run it on the model thread, record its outcome."""
-        runner = self._ready_runner()
+    def _prepare(self, runner: TargetModelRunner, request) -> _Prepared:
+        """A VerifyRequest checked against the model, as the runner takes it."""
         loaded = runner.loaded
         check_session_id(request.session_id)
         num_draft = len(request.draft_tokens)
@@ -86,24 +132,37 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
                 if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
                     raise InvalidRequest(f"draft_tokens[{i}] is not in the support of draft_probs[{i}]")
                 dists.append(dist)
-        with worker_span(
-            self.tracer, "spec_verify", tokens_verified=num_draft + 1, new_committed_tokens=len(tokens)
-        ) as span:
-            outcome = await self._thread.run(
-                runner.verify,
-                request.session_id,
-                request.committed.start,
-                tokens,
-                draft_tokens,
-                dists,
-                sampling,
-                request.return_logprobs,
-            )
-            # First: a verify sent ahead for this outcome starts before this one answers.
-            committed = request.committed.start + len(tokens)
-            self._outcomes.record(request.session_id, committed, (outcome.accepted, outcome.next_token))
-            set_specd(span, forward_ms=outcome.forward_ms, accepted=outcome.accepted, bonus=outcome.is_bonus)
+        return _Prepared(request.session_id, request.committed.start, tokens, draft_tokens, dists, sampling, request.return_logprobs)
+
+    def _verify_and_record(self, runner: TargetModelRunner, prepared: _Prepared) -> _Timed:
+        """On the model thread: the verify, then its outcome recorded, which queues a verify
+        sent ahead for that outcome behind it before this one's answer reaches the event loop."""
+        started_ns = time.time_ns()
+        outcome = runner.verify(
+            prepared.session_id, prepared.start, prepared.tokens, prepared.draft_tokens,
+            prepared.dists, prepared.sampling, prepared.return_logprobs,
+        )
+        committed = prepared.start + len(prepared.tokens)
+        self._outcomes.record(prepared.session_id, committed, (outcome.accepted, outcome.next_token))
         self._observe("verify", outcome.forward_ms)
+        return _Timed(outcome, prepared, started_ns, time.time_ns())
+
+    def _run_choice(self, request) -> _Timed:
+        """On the model thread: a verify sent ahead whose outcome came (VerifyOutcomes)."""
+        runner = self._ready_runner()
+        return self._verify_and_record(runner, self._prepare(runner, request))
+
+    def _record_span(self, timed: _Timed) -> None:
+        """The spec_verify span of a verify run on the model thread at the times it ran."""
+        span = self.tracer.start_span("spec_verify", start_time=timed.started_ns)
+        set_specd(
+            span, tokens_verified=timed.prepared.num_draft + 1, new_committed_tokens=len(timed.prepared.tokens),
+            forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus,
+        )
+        span.end(end_time=timed.ended_ns)
+
+    @staticmethod
+    def _response(outcome: VerifyOutcome) -> target_pb2.VerifyResponse:
         return target_pb2.VerifyResponse(
             accepted=outcome.accepted,
             next_token=outcome.next_token,

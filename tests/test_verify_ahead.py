@@ -25,47 +25,81 @@ SAMPLED = common_pb2.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=7)
 # --- the outcome register -------------------------------------------------------------------
 
 
-def test_outcome_waited_for_before_and_after_it_is_recorded():
-    async def scenario():
-        outcomes = VerifyOutcomes()
-        early = asyncio.ensure_future(outcomes.wait("s", 10))
-        await asyncio.sleep(0)
-        outcomes.record("s", 10, (2, 77))
-        late = await outcomes.wait("s", 10)
-        return await early, late
+def _register(capacity: int = 4096) -> tuple[VerifyOutcomes, list]:
+    """A register whose chosen verifies are recorded in a list, run at once where queued."""
+    ran = []
 
-    assert asyncio.run(scenario()) == ((2, 77), (2, 77))
+    def run_choice(choice):
+        ran.append(choice)
+        return f"verified {choice}"
+
+    return VerifyOutcomes(run_choice, lambda fn, *args: fn(*args), capacity=capacity), ran
 
 
-def test_outcome_of_a_passed_or_ended_verify_is_none():
-    async def scenario():
-        outcomes = VerifyOutcomes()
-        outcomes.record("s", 10, (1, 5))
-        outcomes.record("s", 13, (4, 6))  # a later verify of the same session
-        passed = await outcomes.wait("s", 10)
-        waiting = asyncio.ensure_future(outcomes.wait("s", 20))
-        skipped = asyncio.ensure_future(outcomes.wait("t", 8))
-        await asyncio.sleep(0)
-        outcomes.record("t", 9, (0, 1))  # 8 never came: t moved past it
-        outcomes.forget("s")
-        return passed, await waiting, await skipped
+def test_the_choice_for_the_outcome_runs_whether_sent_before_or_after_it():
+    outcomes, ran = _register()
+    early = outcomes.expect("s", 10, {(2, 77): "a", (1, 5): "b"})
+    assert not early.answer.done() and ran == []
+    outcomes.record("s", 10, (2, 77))
+    late = outcomes.expect("s", 10, {(2, 77): "c"})
+    assert early.answer.result(0) == "verified a" and late.answer.result(0) == "verified c"
+    assert ran == ["a", "c"]
 
-    assert asyncio.run(scenario()) == (None, None, None)
+
+def test_chosen_verifies_follow_one_another_on_the_model_thread_alone():
+    """No event loop at all: each verify's outcome queues the next chosen one on its thread."""
+    import concurrent.futures
+    import threading
+
+    model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    threads = []
+    outcomes: VerifyOutcomes
+
+    def run_choice(choice):  # a verify of `committed` tokens whose outcome is `outcome`
+        committed, outcome = choice
+        threads.append(threading.current_thread())
+        outcomes.record("s", committed, outcome)
+        return choice
+
+    outcomes = VerifyOutcomes(run_choice, model_thread.submit)
+    second = outcomes.expect("s", 10, {(1, 5): (12, (3, 9)), (0, 4): (11, (0, 0))})
+    third = outcomes.expect("s", 12, {(3, 9): (16, (2, 2))})
+    model_thread.submit(outcomes.record, "s", 10, (1, 5)).result(5)  # the first verify ends
+    assert third.answer.result(5) == (16, (2, 2)) and second.answer.result(5) == (12, (3, 9))
+    assert len(threads) == 2 and all(t is not threading.main_thread() for t in threads)
+    model_thread.shutdown()
+
+
+def test_nothing_runs_for_an_unnamed_passed_or_ended_verify():
+    outcomes, ran = _register()
+    outcomes.record("s", 10, (1, 5))
+    outcomes.record("s", 13, (4, 6))  # a later verify of the same session
+    passed = outcomes.expect("s", 10, {(1, 5): "x"})
+    waiting = outcomes.expect("s", 20, {(0, 1): "x"})
+    skipped = outcomes.expect("t", 8, {(0, 1): "x"})
+    unnamed = outcomes.expect("u", 4, {(0, 1): "x"})
+    outcomes.record("t", 9, (0, 1))  # 8 never came: t moved past it
+    outcomes.record("u", 4, (3, 3))  # no choice for this outcome
+    outcomes.forget("s")
+    assert [w.answer.result(0) for w in (passed, waiting, skipped, unnamed)] == [None] * 4
+    assert ran == []
+
+
+def test_a_discarded_choice_does_not_run():
+    outcomes, ran = _register()
+    waiter = outcomes.expect("s", 10, {(2, 77): "a"})
+    outcomes.discard("s", waiter)
+    outcomes.record("s", 10, (2, 77))
+    assert waiter.answer.cancelled() and ran == []
 
 
 def test_outcomes_keep_a_bounded_number_of_sessions():
-    async def scenario():
-        outcomes = VerifyOutcomes(capacity=2)
-        for name in ("a", "b", "c"):
-            outcomes.record(name, 4, (0, 1))
-        recent = await asyncio.wait_for(outcomes.wait("c", 4), 1.0)
-        oldest = asyncio.ensure_future(outcomes.wait("a", 4))  # "a" was forgotten: its wait goes on
-        await asyncio.sleep(0.05)
-        waiting = not oldest.done()
-        oldest.cancel()
-        return recent, waiting
-
-    assert asyncio.run(scenario()) == ((0, 1), True)
+    outcomes, ran = _register(capacity=2)
+    for name in ("a", "b", "c"):
+        outcomes.record(name, 4, (0, 1))
+    recent = outcomes.expect("c", 4, {(0, 1): "x"})
+    oldest = outcomes.expect("a", 4, {(0, 1): "x"})  # "a" was forgotten: it waits for a verify
+    assert recent.answer.result(0) == "verified x" and not oldest.answer.done()
 
 
 # --- the target worker's VerifyAfter ----------------------------------------------------------
