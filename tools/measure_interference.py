@@ -1,0 +1,103 @@
+"""How much a draft working beside the target slows the target's verify forward.
+
+In ssd the draft builds the next round's tree while the target verifies; on a CPU they share
+caches and memory bandwidth. This times the target's forward over K+1 tokens (one torch
+thread, after a prompt-sized context) in blocks that alternate between an idle machine and
+one where another process runs the draft's tree-step forwards (B tokens on its own context)
+in a loop, so that the machine's drift hits both alike.
+
+    python tools/measure_interference.py                       # the demo pair
+    python tools/measure_interference.py --blocks 10 --branches 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import pathlib
+import statistics
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _draft_loop(path: str, branches: int, context: int, stop) -> None:
+    """Draft forwards of `branches` tokens on a `context`-token cache until `stop` is set."""
+    import torch
+    from transformers import DynamicCache
+
+    model = _load(path)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(torch.randint(1, model.config.vocab_size, (1, context)), past_key_values=cache)  # [1, context]
+        step = torch.randint(1, model.config.vocab_size, (1, branches))  # [1, B]
+        while not stop.is_set():
+            model(step, past_key_values=cache)
+            cache.crop(-branches)
+
+
+def _time_forwards(model, cache, block, count: int) -> list[float]:
+    import torch
+
+    times = []
+    with torch.inference_mode():
+        for _ in range(count):
+            started = time.perf_counter()
+            model(block, past_key_values=cache, logits_to_keep=block.shape[1])
+            times.append((time.perf_counter() - started) * 1000.0)
+            cache.crop(-block.shape[1])
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=str(ROOT / "models/demo/target"))
+    parser.add_argument("--draft", default=str(ROOT / "models/demo/draft"))
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--context", type=int, default=100, help="tokens cached before each timed forward")
+    parser.add_argument("--branches", type=int, default=12, help="tokens per draft forward (a tree step)")
+    parser.add_argument("--blocks", type=int, default=6, help="blocks of each condition, alternating")
+    parser.add_argument("--forwards", type=int, default=15, help="timed forwards per block")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import DynamicCache
+
+    model = _load(args.target)
+    vocab = model.config.vocab_size
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(torch.randint(1, vocab, (1, args.context)), past_key_values=cache)  # [1, context]
+    block = torch.randint(1, vocab, (1, args.k + 1))  # [1, K+1]
+    _time_forwards(model, cache, block, 3)  # warm-up
+    context = multiprocessing.get_context("spawn")
+    times: dict[str, list[float]] = {"alone": [], "beside the draft": []}
+    for index in range(2 * args.blocks):
+        busy = index % 2 == 1
+        stop = context.Event()
+        worker = None
+        if busy:
+            worker = context.Process(target=_draft_loop, args=(args.draft, args.branches, args.context, stop))
+            worker.start()
+            time.sleep(3.0)  # the draft loads and reaches its loop
+        times["beside the draft" if busy else "alone"] += _time_forwards(model, cache, block, args.forwards)
+        if worker is not None:
+            stop.set()
+            worker.join()
+    alone = statistics.median(times["alone"])
+    for name, values in times.items():
+        print(f"{name:<17} median {statistics.median(values):6.2f} ms  (p25 {statistics.quantiles(values, n=4)[0]:.2f}, "
+              f"p75 {statistics.quantiles(values, n=4)[2]:.2f}, {len(values)} forwards)")
+    print(f"slowdown beside the draft: {statistics.median(times['beside the draft']) / alone - 1:+.1%}")
+
+
+if __name__ == "__main__":
+    main()
