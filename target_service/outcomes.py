@@ -94,8 +94,12 @@ class VerifyOutcomes:
         choice = waiter.choices.get(outcome) if outcome is not None else None
         if choice is None:
             _resolve(waiter.answer, None)
-        else:
+            return
+        try:
             self._submit(self._answer, waiter, choice)
+        except RuntimeError as exc:  # the model thread is shutting down: the call fails, not hangs
+            if waiter.answer.set_running_or_notify_cancel():
+                waiter.answer.set_exception(exc)
 
     def _answer(self, waiter: Waiter, choice: object) -> None:
         """On the model thread: run the chosen verify, unless its caller has given up."""

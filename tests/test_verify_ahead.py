@@ -93,6 +93,17 @@ def test_a_discarded_choice_does_not_run():
     assert waiter.answer.cancelled() and ran == []
 
 
+def test_a_choice_that_cannot_be_queued_fails_its_call():
+    def refuse(fn, *args):
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    outcomes = VerifyOutcomes(lambda choice: choice, refuse)
+    waiter = outcomes.expect("s", 10, {(2, 77): "a"})
+    outcomes.record("s", 10, (2, 77))
+    with pytest.raises(RuntimeError, match="shutdown"):
+        waiter.answer.result(0)
+
+
 def test_outcomes_keep_a_bounded_number_of_sessions():
     outcomes, ran = _register(capacity=2)
     for name in ("a", "b", "c"):
