@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 
 import grpc
 
@@ -156,3 +157,14 @@ def count_calls(runner, name: str) -> list[int]:
 
     setattr(runner, name, counted)
     return count
+
+
+def slow_verify(runner, seconds: float) -> None:
+    """A target that verifies slower than the tiny draft builds its cache, as a large one does."""
+    original = runner.verify
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    runner.verify = slow

@@ -1,5 +1,8 @@
 """Sampled ssd output follows the target's distribution, end to end over gRPC, with Saguaro
-sampling on: temperature 1, with and without top-p, and temperature 0.5.
+sampling on: temperature 1, with and without top-p, and temperature 0.5; and at 0.5 again
+with the target slowed, so that most rounds are verified ahead (VerifyAfter) from choices sent
+while the previous round verified (a target that verified those choices at temperature 1, a
+bug put in by hand, gave p = 7e-79 there).
 
 Every emitted token t_n is checked against the target's own distribution given the tokens
 before it, P_n, whatever produced it (round 0's Propose, a cache hit's draft with Saguaro's q',
@@ -30,6 +33,7 @@ import torch
 from specd.sampling import SamplingSettings, logits_to_probs
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, load_reference, request, running_stack
+from tests.stack import slow_verify
 
 ALPHA = 1e-3
 REQUESTS = 160
@@ -39,17 +43,30 @@ PROMPT = "def add(a, b):"
 SAGUARO_C = 0.3
 BUDGET = 4  # a few guesses per position: Saguaro's down-weighting of them then changes q
 IN_FLIGHT = 8  # concurrent requests: the stack serves them side by side, each its own session
+SLOWED_VERIFY_S = 0.02  # with 8 requests in flight, 10 ms left every cache late (no verify went ahead)
+
+
+OVERRIDES = dict(ssd_budget=BUDGET, ssd_backup="jit", ssd_adaptive=False, ssd_saguaro_c=SAGUARO_C)
 
 
 @pytest.fixture(scope="module")
 def stub(tiny_pair):
-    overrides = dict(ssd_budget=BUDGET, ssd_backup="jit", ssd_adaptive=False, ssd_saguaro_c=SAGUARO_C)
-    with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
+    with running_stack(*tiny_pair, coordinator_overrides=OVERRIDES) as stack:
         yield stack.stub()
 
 
-def _sample(stub, prompt_ids: list[int], temperature: float, top_p: float) -> tuple[list[list[int]], int]:
-    """REQUESTS ssd continuations, seeds 0..REQUESTS-1; returns them and the cache hits."""
+@pytest.fixture(scope="module")
+def slowed_target_stub(tiny_pair):
+    """A target slower than the draft's tree build, as a large one is: the caches reach the
+    coordinator while Verify runs, and rounds go through the verifies sent ahead (VerifyAfter)."""
+    with running_stack(*tiny_pair, coordinator_overrides=OVERRIDES) as stack:
+        slow_verify(stack.target.servicer.runner, SLOWED_VERIFY_S)
+        yield stack.stub()
+
+
+def _sample(stub, prompt_ids: list[int], temperature: float, top_p: float) -> tuple[list[list[int]], int, int]:
+    """REQUESTS ssd continuations, seeds 0..REQUESTS-1; returns them, the cache hits and the
+    rounds verified ahead."""
 
     def one(seed: int):
         message = request(prompt_ids, mode=pb.SPECULATION_MODE_SSD, k=K, max_new_tokens=NEW_TOKENS,
@@ -62,7 +79,8 @@ def _sample(stub, prompt_ids: list[int], temperature: float, top_p: float) -> tu
     for response in responses:
         assert response.stats.mode == pb.SPECULATION_MODE_SSD and not response.stats.fallback_reason
         assert len(response.token_ids) == NEW_TOKENS
-    return [list(r.token_ids) for r in responses], sum(r.stats.cache_hits for r in responses)
+    hits = sum(r.stats.cache_hits for r in responses)
+    return [list(r.token_ids) for r in responses], hits, sum(r.stats.verified_ahead for r in responses)
 
 
 @torch.inference_mode()
@@ -92,7 +110,21 @@ def _pit(model, prompt_ids: list[int], sequences: list[list[int]], settings: Sam
 def test_sampled_ssd_with_saguaro_follows_the_target(stub, tiny_pair, temperature, top_p):
     model, tokenizer = load_reference(tiny_pair[0])
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
-    sequences, hits = _sample(stub, prompt_ids, temperature, top_p)
+    sequences, hits, _ = _sample(stub, prompt_ids, temperature, top_p)
+    _assert_follows_the_target(model, prompt_ids, sequences, hits, temperature, top_p)
+
+
+def test_sampled_ssd_verified_ahead_follows_the_target(slowed_target_stub, tiny_pair):
+    """The same at temperature 0.5 (where a wrong q shows most), with most rounds verified by
+    the target straight after the previous one, from the choices sent ahead."""
+    model, tokenizer = load_reference(tiny_pair[0])
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    sequences, hits, ahead = _sample(slowed_target_stub, prompt_ids, 0.5, 1.0)
+    assert ahead >= hits // 2, f"only {ahead} of {hits} hits were verified ahead"
+    _assert_follows_the_target(model, prompt_ids, sequences, hits, 0.5, 1.0)
+
+
+def _assert_follows_the_target(model, prompt_ids, sequences, hits: int, temperature: float, top_p: float) -> None:
     rounds_after_the_first = REQUESTS * (NEW_TOKENS // (K + 1))  # at least this many lookups
     assert hits >= rounds_after_the_first // 10, f"only {hits} cache hits: the cache path was hardly tested"
     values = _pit(model, prompt_ids, sequences, SamplingSettings(temperature=temperature, top_p=top_p))

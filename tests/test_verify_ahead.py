@@ -15,7 +15,7 @@ from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
 from target_service.outcomes import VerifyOutcomes
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
-from tests.stack import count_calls
+from tests.stack import count_calls, slow_verify
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
@@ -248,17 +248,6 @@ def test_a_choice_for_another_position_is_refused(target_stub):
 # --- ssd rounds through VerifyAfter ---------------------------------------------------------
 
 
-def _slow_verify(runner, seconds: float) -> None:
-    """A target that verifies slower than the tiny draft builds its cache, as a large one does."""
-    original = runner.verify
-
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return original(*args, **kwargs)
-
-    runner.verify = slow
-
-
 def _record_verify_after(coordinator_servicer) -> list[bool]:
     """Whether each VerifyAfter the coordinator sent found its outcome among its choices."""
     matched: list[bool] = []
@@ -282,7 +271,7 @@ def test_ssd_rounds_verified_ahead_stay_exact(tiny_pair, verify_ahead):
     want = greedy_reference(model, ids, 40)
     overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False, ssd_verify_ahead=verify_ahead)
     with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
-        _slow_verify(stack.target.servicer.runner, 0.05)
+        slow_verify(stack.target.servicer.runner, 0.05)
         matched = _record_verify_after(stack.coordinator.servicer)
         response = stack.stub().Generate(
             request(ids, mode=pb.SPECULATION_MODE_SSD, k=4, max_new_tokens=40), timeout=CALL_TIMEOUT_S
@@ -306,7 +295,7 @@ def test_requests_verified_ahead_end_cleanly(tiny_pair, max_new_tokens):
     stop = tokenizer.decode(want[len(want) // 2 : len(want) // 2 + 2])
     overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False)
     with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
-        _slow_verify(stack.target.servicer.runner, 0.05)
+        slow_verify(stack.target.servicer.runner, 0.05)
         matched = _record_verify_after(stack.coordinator.servicer)
         stub = stack.stub()
         by_length = stub.Generate(request(ids, mode=pb.SPECULATION_MODE_SSD, max_new_tokens=max_new_tokens), timeout=CALL_TIMEOUT_S)
