@@ -50,7 +50,7 @@ class Sizing:
     current: int = dataclasses.field(init=False)  # index into levels
     probe: int | None = None  # index being tried, if any
     probe_down: bool = True  # the next neighbour probe's direction: kept while probes win
-    probes: int = 0  # every third probe jumps: to budget 0 (plain sd), or from 0 back up
+    probes: int = 0  # every third probe jumps to budget 0 (plain sd); from 0 every probe goes back up
     last_nonzero: int = 0  # index of the last nonzero level kept
     rounds: int = 0  # rounds since the last decision
     stay_rounds: int = _STAY_ROUNDS  # rounds at the chosen level before the next probe
@@ -110,10 +110,14 @@ class Sizing:
         self.rounds += 1
         if self.probe is None and self.rounds >= self.stay_rounds and len(self.levels) > 1:
             self.probes += 1
-            if self.probes % 3 == 0:
+            if self.current == 0:
+                # From no tree, a neighbour (one or two branches) hardly ever hits, so it cannot
+                # show whether a tree pays: try the last good level outright.
+                self.probe = self.last_nonzero
+            elif self.probes % 3 == 0:
                 # A plateau of nonzero levels (the tree's mere presence slows the target) hides
-                # budget 0 from a neighbour search: try it outright, and from 0 the last good level.
-                self.probe = 0 if self.current != 0 else self.last_nonzero
+                # budget 0 from a neighbour search: try it outright.
+                self.probe = 0
             else:
                 step = -1 if self.probe_down else 1
                 neighbour = self.current + step

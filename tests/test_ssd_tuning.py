@@ -115,3 +115,14 @@ def test_k_shrinks_to_the_depth_whose_build_fits_in_a_verification():
     # Without a tree (budget 0) the build does not bound K.
     sizing.current = 0
     assert tuning.budget == 0 and tuning.k == 8
+
+
+def test_from_zero_the_next_probe_is_the_last_good_budget():
+    # A small tree hits too rarely to pay (B = 1 loses to no tree at all), a larger one pays:
+    # from budget 0 a neighbour search would never see that, and left the loop at 0 for the
+    # 100+ rounds until its third probe.
+    sizing = Sizing(max_budget=16)
+    _run(sizing, lambda b: 50.0 if b == 0 else 65.0, 150)
+    assert sizing.levels[sizing.current] == 0
+    chosen = _run(sizing, lambda b: {0: 50.0, 1: 55.0, 2: 54.0}.get(b, 40.0), 60)
+    assert chosen[-1] > 2
