@@ -19,6 +19,7 @@ from opentelemetry.trace import StatusCode
 from specd import telemetry
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, running_stack
+from tests.stack import slow_verify
 
 ROLES = ("coordinator", "target", "draft")
 OTEL_VARS = (
@@ -299,3 +300,32 @@ def test_ssd_rounds_say_why_a_lookup_missed(traced, overrides, reasons):
     assert not any("specd.round.miss" in s.attributes for s in rounds if s not in misses)
     if "no_speculation" in reasons:
         assert misses and response.stats.cache_hits == 0
+
+
+def test_a_verify_sent_ahead_has_its_span_under_its_call(traced):
+    """The target runs a chosen verify from its model thread; its spec_verify span still sits
+    under the VerifyAfter call, at the times the forward ran."""
+    from coordinator.ssd_tuning import Sizing
+
+    stack, exporters = traced
+    servicer, runner = stack.coordinator.servicer, stack.target.servicer.runner
+    config, sizing = servicer.config, servicer.ssd_sizing
+    servicer.config = dataclasses.replace(config, ssd_budget=16, ssd_backup="jit", ssd_adaptive=False)
+    servicer.ssd_sizing = Sizing(max_budget=16)
+    slow_verify(runner, 0.05)  # slower than the tiny draft's tree build: caches arrive in time
+    try:
+        ssd = _request(24)
+        ssd.speculation.mode = pb.SPECULATION_MODE_SSD
+        response = stack.stub().Generate(ssd, timeout=CALL_TIMEOUT_S)
+    finally:
+        del runner.verify  # the class's own again
+        servicer.config, servicer.ssd_sizing = config, sizing
+    assert response.stats.verified_ahead > 0
+    target = _spans(exporters, response.trace_id)["target"]
+    calls = {s.context.span_id: s for s in target if s.name.endswith("/VerifyAfter")}
+    inner = [s for s in target if s.name == "spec_verify" and s.parent.span_id in calls]
+    assert len(inner) >= response.stats.verified_ahead
+    for span in inner:
+        call = calls[span.parent.span_id]
+        assert call.start_time <= span.start_time < span.end_time <= call.end_time
+        assert span.attributes["specd.forward_ms"] > 0 and span.attributes["specd.tokens_verified"] >= 2
