@@ -2,7 +2,8 @@
 
 The three specd modes go through real services over loopback gRPC; HF assisted
 generation runs in this process on the same pair with the same total threads.
-Modes run interleaved and repeated so that drift on a shared machine hits all alike.
+Modes run interleaved prompt by prompt (each prompt through every mode before the next) and
+the whole set repeated, so that drift on a shared machine hits all modes alike.
 """
 
 from __future__ import annotations
@@ -35,32 +36,30 @@ class ModeRun:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def run_specd_mode(stub, prompts: list[str], mode: str, max_new_tokens: int, k: int) -> ModeRun:
+def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens: int, k: int) -> None:
+    """One greedy request of `mode` through the stack behind `stub`, added to `run`."""
     from specd.v1 import common_pb2, coordinator_pb2
 
-    run = ModeRun()
-    for prompt in prompts:
-        request = coordinator_pb2.GenerateRequest(
-            prompt=prompt,
-            max_new_tokens=max_new_tokens,
-            ignore_eos=True,
-            sampling=common_pb2.SamplingParams(temperature=0.0),
-            speculation=coordinator_pb2.SpeculationParams(
-                mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{mode.upper()}"), num_speculative_tokens=k
-            ),
-        )
-        started = time.perf_counter()
-        response = stub.Generate(request, timeout=600)
-        run.seconds += time.perf_counter() - started
-        run.tokens += len(response.token_ids)
-        run.rounds += response.stats.rounds
-        run.draft_tokens += response.stats.draft_tokens
-        run.accepted_tokens += response.stats.accepted_tokens
-        run.cache_hits += response.stats.cache_hits
-        run.cache_misses += response.stats.cache_misses
-        run.verify_ms += response.stats.verify_ms
-        run.outputs.append(list(response.token_ids))
-    return run
+    request = coordinator_pb2.GenerateRequest(
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=True,
+        sampling=common_pb2.SamplingParams(temperature=0.0),
+        speculation=coordinator_pb2.SpeculationParams(
+            mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{mode.upper()}"), num_speculative_tokens=k
+        ),
+    )
+    started = time.perf_counter()
+    response = stub.Generate(request, timeout=600)
+    run.seconds += time.perf_counter() - started
+    run.tokens += len(response.token_ids)
+    run.rounds += response.stats.rounds
+    run.draft_tokens += response.stats.draft_tokens
+    run.accepted_tokens += response.stats.accepted_tokens
+    run.cache_hits += response.stats.cache_hits
+    run.cache_misses += response.stats.cache_misses
+    run.verify_ms += response.stats.verify_ms
+    run.outputs.append(list(response.token_ids))
 
 
 class HFAssisted:
@@ -81,28 +80,26 @@ class HFAssisted:
         for model in (self.target, self.draft):
             model.generation_config.eos_token_id = None
 
-    def run(self, prompts: list[str], max_new_tokens: int) -> ModeRun:
+    def add_prompt(self, run: ModeRun, prompt: str, max_new_tokens: int) -> None:
+        """One greedy assisted generation of `prompt`, added to `run`."""
         import torch
 
         torch.set_num_threads(self.threads)
-        run = ModeRun()
-        for prompt in prompts:
-            ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
-            started = time.perf_counter()
-            with torch.inference_mode():
-                out = self.target.generate(
-                    ids,
-                    assistant_model=self.draft,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=self.tokenizer.pad_token_id or 0,
-                )
-            run.seconds += time.perf_counter() - started
-            new = out[0, ids.shape[1] :].tolist()
-            run.tokens += len(new)
-            run.outputs.append(new)
-        return run
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.target.generate(
+                ids,
+                assistant_model=self.draft,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id or 0,
+            )
+        run.seconds += time.perf_counter() - started
+        new = out[0, ids.shape[1] :].tolist()
+        run.tokens += len(new)
+        run.outputs.append(new)
 
     def verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int = 5) -> list[float]:
         """Times of one target forward over K+1 tokens with the KV cache in use, `repeats`

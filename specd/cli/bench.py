@@ -26,7 +26,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts taken from the file")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved passes over all modes")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over all prompts, each prompt through every mode in turn")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=True,
                         help="also run ssd on a stack with tracing disabled and one exporting every span")
@@ -93,16 +93,23 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
         stubs = {name: _stub(addr) for name, addr in {"specd": address, **traced_addresses}.items()}
         for stub in stubs.values():
-            bench.run_specd_mode(stub, prompts[:1], "off", 8, args.num_speculative_tokens)  # warm-up
+            bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], "off", 8, args.num_speculative_tokens)  # warm-up
         for repeat in range(args.repeats):
-            verify_times += hf.verify_times_ms(prompts, args.num_speculative_tokens, args.max_new_tokens // 2)
-            for mode in runs:
-                if mode == "hf_assisted":
-                    result = hf.run(prompts, args.max_new_tokens)
-                else:
-                    stub = stubs.get(mode, stubs["specd"])
-                    specd_mode = "ssd" if mode in traced_addresses else mode
-                    result = bench.run_specd_mode(stub, prompts, specd_mode, args.max_new_tokens, args.num_speculative_tokens)
+            passes = {mode: bench.ModeRun() for mode in runs}
+            # Prompt by prompt through every mode, in an order that turns with the prompt: the
+            # modes' times for a prompt lie seconds apart, so the machine's drift hits all alike.
+            for index, prompt in enumerate(prompts):
+                verify_times += hf.verify_times_ms([prompt], args.num_speculative_tokens, args.max_new_tokens // 2)
+                order = list(runs)
+                for mode in order[index % len(order):] + order[: index % len(order)]:
+                    if mode == "hf_assisted":
+                        hf.add_prompt(passes[mode], prompt, args.max_new_tokens)
+                    else:
+                        stub = stubs.get(mode, stubs["specd"])
+                        specd_mode = "ssd" if mode in traced_addresses else mode
+                        bench.add_specd_prompt(passes[mode], stub, prompt, specd_mode, args.max_new_tokens,
+                                               args.num_speculative_tokens)
+            for mode, result in passes.items():
                 runs[mode].append(result)
                 print(f"  pass {repeat + 1}/{args.repeats} {mode:<22} {result.tokens_per_s:7.1f} tok/s",
                       file=sys.stderr, flush=True)
