@@ -61,6 +61,7 @@ class RoundResult:
     branches: int = 0
     speculate_ms: float = 0.0  # the draft worker's forwards for those branches
     verified_ahead: bool = False  # the target verified it right after the previous round (VerifyAfter)
+    speculated_early: bool = False  # ssd: its tree was started before the previous round's verify answered
 
 
 def start_target_prefill(gen: Generation, target: TargetLink) -> None:

@@ -11,7 +11,9 @@ Each round reads as SPECULATE / VERIFY / LOOK UP:
   target at once as round T+1's verify for each cached outcome (coordinator/verify_ahead.py):
   on a hit the target starts round T+1 right after round T's forward, and the loop starts
   Speculate(T+1) beside it before handing round T's tokens to the caller. Such a round's
-  worker calls are children of round T's span.
+  worker calls are children of round T's span. With config.ssd_speculate_early, that
+  Speculate(T+1) starts as soon as the cache is in, for Verify(T)'s likeliest outcome
+  (_Speculator.early); another outcome cancels it.
 - Every Speculate and Propose carries the committed tail, so the draft's KV cache follows the
   committed tokens whichever branch won. A draft failure turns the rounds target-only until
   the draft is back, as in sd.
@@ -62,6 +64,9 @@ class _Speculation:
     branches: int
     num_tokens: int  # K' drafted after each guess
     started: float
+    budget: int  # the budget its fan-out was sized under
+    committed: list[int]  # the committed tokens of the verify it speculates beside
+    verifying: list[int]  # that verify's draft tokens
 
 
 @dataclasses.dataclass
@@ -75,6 +80,7 @@ class _Launch:
     speculation: _Speculation | None
     budget: int | None  # the budget the round tries, as any round's
     committed: int  # len(committed) the round continues
+    speculated_early: bool = False  # its Speculate started before round T's verify answered
 
     def cancel(self) -> None:
         cancel_unawaited(self.verify)
@@ -90,11 +96,8 @@ def _speculate(
     draft: DraftLink,
     config: CoordinatorConfig,
     tuning: Tuning,
-    verify_task: asyncio.Future,
-    ahead: VerifyAhead,
 ) -> _Speculation:
-    """Start Speculate beside the verify of `drafts` after `committed`; with verify ahead on,
-    its cache goes on to the target as soon as it is in."""
+    """Start Speculate beside the verify of `drafts` after `committed`."""
     vocab = draft.info.vocab_size
     next_k = tuning.k
     fanout = tuning.fanout(len(drafts.tokens), vocab, config.ssd_fanout_r)
@@ -110,9 +113,7 @@ def _speculate(
     guesses = asyncio.get_running_loop().create_future()
     committed = list(committed)  # as it stands now: the caller's list grows when this round commits
     task = asyncio.ensure_future(draft.speculate(gen.draft_session, committed, request, guesses))
-    if config.ssd_verify_ahead:
-        task.add_done_callback(functools.partial(_send_ahead, ahead, verify_task, committed, drafts.tokens, next_k))
-    return _Speculation(task, guesses, sum(fanout), next_k, time.perf_counter())
+    return _Speculation(task, guesses, sum(fanout), next_k, time.perf_counter(), tuning.budget, committed, list(drafts.tokens))
 
 
 async def ssd_rounds(
@@ -139,6 +140,7 @@ async def ssd_rounds(
     ready_wait_ms = 0.0  # what the loop waited on the draft to get it
     next_miss = ""  # if the next round misses, why (MISS_* below)
     ahead = VerifyAhead(gen, target)
+    speculator = _Speculator(gen, draft, config, tuning, ahead)
     launch: _Launch | None = None  # this round, already under way
     last_round_end = time.perf_counter()
     index = 0
@@ -153,9 +155,11 @@ async def ssd_rounds(
                 draft_wait_ms = 0.0
                 drafts = Drafts([], [], "")
                 speculation: _Speculation | None = None
+                speculated_early = False
                 round_budget: int | None = None  # the budget this round tries (0 probes a round with no cache)
                 if launch is not None and launch.committed == len(gen.committed):
                     drafts, verify_task, speculation = launch.drafts, launch.verify, launch.speculation
+                    speculated_early = launch.speculated_early
                     round_budget = launch.budget
                     hit, draft_wait_ms = True, ready_wait_ms
                     launch = None
@@ -187,7 +191,7 @@ async def ssd_rounds(
                     # Speculate only if another round may follow this one (k = 0 commits one token).
                     round_budget = tuning.budget if usable and remaining > 1 else None
                     if round_budget:
-                        speculation = _speculate(gen, gen.committed, drafts, draft, config, tuning, verify_task, ahead)
+                        speculation = speculator.beside(gen.committed, drafts, verify_task)
                 ready, ready_at, ready_wait_ms = None, -1, 0.0
                 next_miss = MISS_NO_SPECULATION
                 try:
@@ -229,7 +233,9 @@ async def ssd_rounds(
                 # draft's Speculate beside it now, before the caller takes round T's tokens.
                 sent = ahead.take((accepted, next_token))  # cancels the call on a miss
                 if sent is not None:
-                    launch = _start_ahead(gen, tokens, sent, draft, config, tuning, ahead)
+                    launch = _start_ahead(gen, tokens, sent, draft, tuning, speculator)
+                else:
+                    speculator.discard()
                 result = RoundResult(
                     index=index,
                     mode="ssd" if drafts.tokens else "off",
@@ -247,6 +253,7 @@ async def ssd_rounds(
                     branches=speculation.branches if speculation is not None else 0,
                     speculate_ms=speculate_ms,
                     verified_ahead=drafts.source == "ahead" and ahead.answered_ahead,
+                    speculated_early=speculated_early,
                 )
                 span.record(result)
             yield result
@@ -254,6 +261,7 @@ async def ssd_rounds(
     finally:
         if launch is not None:
             launch.cancel()
+        speculator.discard()
         ahead.cancel()
 
 
@@ -284,34 +292,132 @@ def _start_ahead(
     tokens: list[int],
     sent: SentAhead,
     draft: DraftLink,
-    config: CoordinatorConfig,
     tuning: Tuning,
-    ahead: VerifyAhead,
+    speculator: "_Speculator",
 ) -> _Launch:
     """Round T+1 from the draft sent ahead for round T's outcome, which emitted `tokens`."""
     committed = gen.committed + tokens
     drafts = Drafts(sent.draft.tokens, sent.draft.dists, "ahead")
-    verify_task = asyncio.ensure_future(ahead.answer(sent, committed))
-    speculation = None
-    # As any round: speculate if another may follow and the draft is up (it was a moment ago).
+    verify_task = asyncio.ensure_future(speculator.ahead.answer(sent, committed))
+    # The Speculate started early for this outcome, if it came true; else one starts now, as
+    # any round's: if another round may follow and the draft is up (it was a moment ago).
+    speculation = speculator.adopt(committed, drafts.tokens, verify_task)
+    if speculation is not None:
+        return _Launch(drafts, sent, verify_task, speculation, speculation.budget, len(committed), speculated_early=True)
     budget = tuning.budget if gen.max_len - len(committed) > 1 and draft.info is not None else None
     if budget:
-        speculation = _speculate(gen, committed, drafts, draft, config, tuning, verify_task, ahead)
+        speculation = speculator.beside(committed, drafts, verify_task)
     return _Launch(drafts, sent, verify_task, speculation, budget, len(committed))
 
 
-def _send_ahead(
-    ahead: VerifyAhead,
-    verify_task: asyncio.Future,
-    committed: list[int],
-    verifying: list[int],
-    max_k: int,
-    spec_task: asyncio.Future,
-) -> None:
-    """Once the cache is in: send round T+1's verifies ahead if Verify(T) has not answered yet."""
+def _send_ahead(speculator: "_Speculator", verify_task: asyncio.Future, speculation: _Speculation, spec_task: asyncio.Future) -> None:
+    """Once the cache is in: send round T+1's verifies ahead if Verify(T) has not answered yet,
+    and start Speculate(T+1) for Verify(T)'s likeliest outcome."""
     if verify_task.done() or spec_task.cancelled() or spec_task.exception() is not None:
         return
-    ahead.send(committed, verifying, spec_task.result(), lambda remaining: min(max_k, remaining - 1))
+    cache = spec_task.result()
+    max_k = speculation.num_tokens
+    speculator.ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
+    speculator.early(speculation, cache)
+
+
+# Speculate early only for an outcome at least this likely: one that does not come true is
+# cancelled, and the Speculate that replaces it waits for the draft's current tree step.
+_EARLY_MIN_PROBABILITY = 0.5
+
+
+@dataclasses.dataclass
+class _Early:
+    """Speculate(T+1), started before Verify(T) answered, for an outcome of Verify(T)."""
+
+    speculation: _Speculation
+    base: int  # len(committed) before the assumed outcome: what the draft surely holds
+
+
+class _Speculator:
+    """A request's Speculate calls: beside a verify, and early.
+
+    Early: on a hit sent ahead, the target runs round T+1 straight after round T; the tree
+    beside it would be built only after two more trips (the answer to the coordinator,
+    Speculate to the draft), and a tree that arrives after Verify(T+1) loses round T+2's head
+    start. So Speculate(T+1) starts as soon as round T+1's cache is in, for round T's likeliest
+    outcome, while the draft is idle; another outcome cancels it. Either way the committed
+    tokens stay the coordinator's: the draft session is reset to what the draft surely holds.
+    """
+
+    def __init__(self, gen: Generation, draft: DraftLink | None, config: CoordinatorConfig, tuning: Tuning, ahead: VerifyAhead):
+        self._gen, self._draft, self._config, self._tuning = gen, draft, config, tuning
+        self.ahead = ahead
+        self._pending: _Early | None = None
+
+    def beside(self, committed: list[int], drafts: Drafts, verify_task: asyncio.Future) -> _Speculation:
+        """Speculate beside `verify_task` (verifying `drafts` after `committed`); with verify
+        ahead on, its cache goes on to the target as soon as it is in."""
+        speculation = _speculate(self._gen, committed, drafts, self._draft, self._config, self._tuning)
+        self._send_ahead_once_built(speculation, verify_task)
+        return speculation
+
+    def _send_ahead_once_built(self, speculation: _Speculation, verify_task: asyncio.Future) -> None:
+        if self._config.ssd_verify_ahead:
+            speculation.task.add_done_callback(functools.partial(_send_ahead, self, verify_task, speculation))
+
+    def early(self, speculation: _Speculation, cache: draft_pb2.SpeculationCache) -> None:
+        """Speculate(T+1) for the likeliest outcome of the verify `speculation` ran beside."""
+        self.discard()
+        gen, tuning = self._gen, self._tuning
+        if not self._config.ssd_speculate_early or self._draft is None or self._draft.info is None:
+            return
+        entry = _likeliest(cache, len(speculation.verifying), tuning.acceptance)
+        if entry is None:
+            return
+        emitted = speculation.verifying[: entry.accepted] + [entry.next_token]
+        committed = speculation.committed + emitted
+        count = min(speculation.num_tokens, gen.max_len - len(committed) - 1)
+        # As VerifyAhead.send: such an outcome gets a choice, and a round may follow it.
+        if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted) or not tuning.budget:
+            return
+        drafts = Drafts(list(entry.draft_tokens[:count]), [], "ahead")
+        self._pending = _Early(_speculate(gen, committed, drafts, self._draft, self._config, tuning), len(speculation.committed))
+
+    def adopt(self, committed: list[int], verifying: list[int], verify_task: asyncio.Future) -> _Speculation | None:
+        """The early Speculate, if it speculates beside verifying `verifying` after `committed`
+        (round T+1 as it came), now beside `verify_task`; else None, and it is cancelled."""
+        early, self._pending = self._pending, None
+        if early is None:
+            return None
+        spec = early.speculation
+        if spec.committed != committed or spec.verifying != verifying or spec.task.cancelled():
+            self._drop(early)
+            return None
+        if spec.task.done():
+            _send_ahead(self, verify_task, spec, spec.task)
+        else:
+            self._send_ahead_once_built(spec, verify_task)
+        return spec
+
+    def discard(self) -> None:
+        """Cancel the early Speculate: its outcome did not come, or the request ends."""
+        early, self._pending = self._pending, None
+        if early is not None:
+            self._drop(early)
+
+    def _drop(self, early: _Early) -> None:
+        early.speculation.task.cancel()
+        session = self._gen.draft_session
+        session.sent = min(session.sent, early.base)  # the draft may hold the assumed tokens
+
+
+def _likeliest(cache: draft_pb2.SpeculationCache, num_draft: int, acceptance: float):
+    """The cache entry for the outcome the acceptance makes likeliest, if likely enough.
+
+    k accepted has probability a^k (1 - a) for k < K and a^K for k = K (capped geometric): the
+    likeliest is K or 0. Among its guesses the draft's first-ranked (entries keep rank order).
+    """
+    a = acceptance
+    k, probability = (num_draft, a**num_draft) if a**num_draft >= 1 - a else (0, 1 - a)
+    if probability < _EARLY_MIN_PROBABILITY:
+        return None
+    return next((entry for entry in cache.entries if entry.accepted == k), None)
 
 
 _KNOWN_MISS = object()

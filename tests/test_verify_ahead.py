@@ -313,3 +313,61 @@ def test_requests_verified_ahead_end_cleanly(tiny_pair, max_new_tokens):
     assert list(by_stop.token_ids) == want[: len(by_stop.token_ids)]
     if max_new_tokens > 7:
         assert sum(matched) > 0
+
+
+@pytest.mark.parametrize(
+    "case, speculate_early, min_probability",
+    [
+        ("self-draft", True, None),  # acceptance 1: the likeliest outcome always comes
+        ("tiny-pair", True, 0.0),  # early for any outcome: most are wrong and cancelled
+        ("tiny-pair", False, None),
+    ],
+)
+def test_speculate_started_early_stays_exact(tiny_pair, case, speculate_early, min_probability, monkeypatch):
+    """Round T+1's Speculate starts for round T's likeliest outcome before Verify(T) answers;
+    an outcome that does not come cancels it. Either way the output is the target's own, and
+    both workers end the session."""
+    from coordinator import ssd_rounds as ssd_rounds_module
+
+    if min_probability is not None:
+        monkeypatch.setattr(ssd_rounds_module, "_EARLY_MIN_PROBABILITY", min_probability)
+    target, draft = tiny_pair
+    if case == "self-draft":
+        draft = target
+    model, tokenizer = load_reference(target)
+    ids = tokenizer.encode("def add(a, b):", add_special_tokens=True)
+    want = greedy_reference(model, ids, 48)
+    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False, ssd_speculate_early=speculate_early)
+    with running_stack(target, draft, coordinator_overrides=overrides) as stack:
+        slow_verify(stack.target.servicer.runner, 0.05)
+        early = _record_early_starts(monkeypatch)
+        response = stack.stub().Generate(
+            request(ids, mode=pb.SPECULATION_MODE_SSD, k=4, max_new_tokens=48), timeout=CALL_TIMEOUT_S
+        )
+        deadline = time.monotonic() + 5.0
+        runners = (stack.target.servicer.runner, stack.draft.servicer.runner)
+        while any(len(r.sessions) for r in runners) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [len(r.sessions) for r in runners] == [0, 0]
+    assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want)
+    assert response.stats.cache_hits > 0 and response.stats.verified_ahead > 0
+    if case == "self-draft":
+        assert sum(early) >= len(early) // 2  # most trees were started before the previous verify answered
+    if not speculate_early:
+        assert not any(early)
+
+
+def _record_early_starts(monkeypatch) -> list[bool]:
+    """Per ssd round: whether its tree was one started early (RoundResult.speculated_early)."""
+    from coordinator import servicer as servicer_module
+
+    seen: list[bool] = []
+    original = servicer_module.ssd_rounds
+
+    async def recorded(*args, **kwargs):
+        async for result in original(*args, **kwargs):
+            seen.append(result.speculated_early)
+            yield result
+
+    monkeypatch.setattr(servicer_module, "ssd_rounds", recorded)
+    return seen
