@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from draft_service.speculation import _tree_mask  # noqa: E402
+from draft_service.tree_mask import tree_mask  # noqa: E402
 
 
 def _timed(fn, repeats: int) -> float:
@@ -66,7 +66,7 @@ def main() -> None:
     print(f"one-token draft step, context {args.context}: {base:.2f} ms")
     for branches in (4, 8, 16, 24, 32):
         offsets = torch.randint(0, 4, (branches,))
-        mask = _tree_mask(length - 4 + offsets, length, 1, torch.float32)  # [1, 1, B, L + B]
+        mask = tree_mask(model.config, length - 4 + offsets, length, 1, torch.float32)  # [1, 1, B, L + B]
         position_ids = (length - 4 + offsets).unsqueeze(0)  # [1, B]
 
         def tree_step():
