@@ -34,6 +34,7 @@ _MAX_STAY_ROUNDS = 128  # each losing probe doubles the wait for the next, up to
 _PROBE_ROUNDS = 8  # rounds spent at a neighbouring level
 _EMA = 0.2  # weight of a new sample in every running average here
 _MARGIN = 0.97  # a probed level must be this much faster to be adopted
+_ZERO_EVERY, _MAX_ZERO_EVERY = 3, 48  # probes between jumps to budget 0: doubled each time 0 loses
 
 
 def _ema(average: float | None, sample: float) -> float:
@@ -50,7 +51,8 @@ class Sizing:
     current: int = dataclasses.field(init=False)  # index into levels
     probe: int | None = None  # index being tried, if any
     probe_down: bool = True  # the next neighbour probe's direction: kept while probes win
-    probes: int = 0  # every third probe jumps to budget 0 (plain sd); from 0 every probe goes back up
+    probes_since_zero: int = 0  # every zero_every-th probe jumps to budget 0 (plain sd)
+    zero_every: int = _ZERO_EVERY  # from 0 every probe goes back up
     last_nonzero: int = 0  # index of the last nonzero level kept
     rounds: int = 0  # rounds since the last decision
     stay_rounds: int = _STAY_ROUNDS  # rounds at the chosen level before the next probe
@@ -109,15 +111,16 @@ class Sizing:
         self.round_tokens[budget] = _ema(self.round_tokens.get(budget), float(tokens))
         self.rounds += 1
         if self.probe is None and self.rounds >= self.stay_rounds and len(self.levels) > 1:
-            self.probes += 1
+            self.probes_since_zero += 1
             if self.current == 0:
                 # From no tree, a neighbour (one or two branches) hardly ever hits, so it cannot
                 # show whether a tree pays: try the last good level outright.
                 self.probe = self.last_nonzero
-            elif self.probes % 3 == 0:
+            elif self.probes_since_zero >= self.zero_every:
                 # A plateau of nonzero levels (the tree's mere presence slows the target) hides
-                # budget 0 from a neighbour search: try it outright.
-                self.probe = 0
+                # budget 0 from a neighbour search: try it outright. Each probe at 0 misses every
+                # cache lookup (and the round after it), so one that loses waits twice as long.
+                self.probe, self.probes_since_zero = 0, 0
             else:
                 step = -1 if self.probe_down else 1
                 neighbour = self.current + step
@@ -135,7 +138,11 @@ class Sizing:
                 if self.current != 0:
                     self.last_nonzero = self.current
                 self.stay_rounds = _STAY_ROUNDS
+                if tried == 0 or kept == 0:
+                    self.zero_every = _ZERO_EVERY
             else:
+                if tried == 0:
+                    self.zero_every = min(2 * self.zero_every, _MAX_ZERO_EVERY)
                 # A settled level is probed away from less and less often: a probe costs rounds
                 # at a worse budget (a probe at 0 loses every cache hit it would have had).
                 self.probe_down = not self.probe_down

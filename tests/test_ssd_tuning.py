@@ -126,3 +126,18 @@ def test_from_zero_the_next_probe_is_the_last_good_budget():
     assert sizing.levels[sizing.current] == 0
     chosen = _run(sizing, lambda b: {0: 50.0, 1: 55.0, 2: 54.0}.get(b, 40.0), 60)
     assert chosen[-1] > 2
+
+
+def test_probes_at_zero_thin_out_while_zero_keeps_losing():
+    # Every probe at 0 costs a round with no cache (and the lookup after it): once 0 has lost
+    # a few times it is tried less and less often, while neighbour probes go on.
+    sizing = Sizing(max_budget=16)
+    budgets = []
+    for _ in range(3000):
+        budget = sizing.budget
+        sizing.observe(budget, 80.0 if budget == 0 else 40.0 + abs(budget - 8) * 3.0, tokens=4)
+        budgets.append(budget)
+    assert sizing.levels[sizing.current] == 8
+    assert 0 in budgets[:1000]  # still probed while the search is young
+    assert sum(b == 0 for b in budgets[1000:]) < 16  # 40 when every third probe was at 0
+    assert sum(b not in (0, 8) for b in budgets[1000:]) > 0  # neighbours still probed
