@@ -27,6 +27,7 @@ class RequestStats:
     draft_wait_ms: float = 0.0
     verify_ms: float = 0.0
     verified_ahead: int = 0
+    speculated_early: int = 0
     fallback_reason: str = ""
 
     def add(self, result: RoundResult) -> None:
@@ -36,6 +37,7 @@ class RequestStats:
         self.draft_wait_ms += result.draft_wait_ms
         self.verify_ms += result.verify_ms
         self.verified_ahead += result.verified_ahead
+        self.speculated_early += result.speculated_early
         if result.num_draft:
             self.speculative_rounds += 1
         if len(self.accepted_per_position) < result.accepted:
@@ -72,5 +74,6 @@ class RequestStats:
             draft_wait_ms=self.draft_wait_ms,
             verify_ms=self.verify_ms,
             verified_ahead=self.verified_ahead,
+            speculated_early=self.speculated_early,
             seed=self.seed,
         )

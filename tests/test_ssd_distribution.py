@@ -58,15 +58,21 @@ def stub(tiny_pair):
 @pytest.fixture(scope="module")
 def slowed_target_stub(tiny_pair):
     """A target slower than the draft's tree build, as a large one is: the caches reach the
-    coordinator while Verify runs, and rounds go through the verifies sent ahead (VerifyAfter)."""
-    with running_stack(*tiny_pair, coordinator_overrides=OVERRIDES) as stack:
+    coordinator while Verify runs, and rounds go through the verifies sent ahead (VerifyAfter).
+    The next Speculate starts early for every such cache (the tiny pair's acceptance alone
+    makes no outcome likely enough): most are for an outcome that does not come and are
+    cancelled, the rest are adopted."""
+    from coordinator import ssd_rounds
+
+    with pytest.MonkeyPatch.context() as patch, running_stack(*tiny_pair, coordinator_overrides=OVERRIDES) as stack:
+        patch.setattr(ssd_rounds, "_EARLY_MIN_PROBABILITY", 0.0)
         slow_verify(stack.target.servicer.runner, SLOWED_VERIFY_S)
         yield stack.stub()
 
 
-def _sample(stub, prompt_ids: list[int], temperature: float, top_p: float) -> tuple[list[list[int]], int, int]:
-    """REQUESTS ssd continuations, seeds 0..REQUESTS-1; returns them, the cache hits and the
-    rounds verified ahead."""
+def _sample(stub, prompt_ids: list[int], temperature: float, top_p: float) -> tuple[list[list[int]], int, int, int]:
+    """REQUESTS ssd continuations, seeds 0..REQUESTS-1; returns them, the cache hits, the
+    rounds verified ahead and the rounds whose tree was started early."""
 
     def one(seed: int):
         message = request(prompt_ids, mode=pb.SPECULATION_MODE_SSD, k=K, max_new_tokens=NEW_TOKENS,
@@ -80,7 +86,8 @@ def _sample(stub, prompt_ids: list[int], temperature: float, top_p: float) -> tu
         assert response.stats.mode == pb.SPECULATION_MODE_SSD and not response.stats.fallback_reason
         assert len(response.token_ids) == NEW_TOKENS
     hits = sum(r.stats.cache_hits for r in responses)
-    return [list(r.token_ids) for r in responses], hits, sum(r.stats.verified_ahead for r in responses)
+    ahead = sum(r.stats.verified_ahead for r in responses)
+    return [list(r.token_ids) for r in responses], hits, ahead, sum(r.stats.speculated_early for r in responses)
 
 
 @torch.inference_mode()
@@ -110,17 +117,19 @@ def _pit(model, prompt_ids: list[int], sequences: list[list[int]], settings: Sam
 def test_sampled_ssd_with_saguaro_follows_the_target(stub, tiny_pair, temperature, top_p):
     model, tokenizer = load_reference(tiny_pair[0])
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
-    sequences, hits, _ = _sample(stub, prompt_ids, temperature, top_p)
+    sequences, hits, _, _ = _sample(stub, prompt_ids, temperature, top_p)
     _assert_follows_the_target(model, prompt_ids, sequences, hits, temperature, top_p)
 
 
 def test_sampled_ssd_verified_ahead_follows_the_target(slowed_target_stub, tiny_pair):
     """The same at temperature 0.5 (where a wrong q shows most), with most rounds verified by
-    the target straight after the previous one, from the choices sent ahead."""
+    the target straight after the previous one, from the choices sent ahead, and trees started
+    before the previous verify answered."""
     model, tokenizer = load_reference(tiny_pair[0])
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
-    sequences, hits, ahead = _sample(slowed_target_stub, prompt_ids, 0.5, 1.0)
+    sequences, hits, ahead, early = _sample(slowed_target_stub, prompt_ids, 0.5, 1.0)
     assert ahead >= hits // 2, f"only {ahead} of {hits} hits were verified ahead"
+    assert early > 0, "no tree was started early: that path went untested"
     _assert_follows_the_target(model, prompt_ids, sequences, hits, 0.5, 1.0)
 
 

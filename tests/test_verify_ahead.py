@@ -340,7 +340,6 @@ def test_speculate_started_early_stays_exact(tiny_pair, case, speculate_early, m
     overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False, ssd_speculate_early=speculate_early)
     with running_stack(target, draft, coordinator_overrides=overrides) as stack:
         slow_verify(stack.target.servicer.runner, 0.05)
-        early = _record_early_starts(monkeypatch)
         response = stack.stub().Generate(
             request(ids, mode=pb.SPECULATION_MODE_SSD, k=4, max_new_tokens=48), timeout=CALL_TIMEOUT_S
         )
@@ -350,24 +349,9 @@ def test_speculate_started_early_stays_exact(tiny_pair, case, speculate_early, m
             time.sleep(0.05)
         assert [len(r.sessions) for r in runners] == [0, 0]
     assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want)
-    assert response.stats.cache_hits > 0 and response.stats.verified_ahead > 0
+    stats = response.stats
+    assert stats.cache_hits > 0 and stats.verified_ahead > 0
     if case == "self-draft":
-        assert sum(early) >= len(early) // 2  # most trees were started before the previous verify answered
+        assert stats.speculated_early >= stats.rounds // 2  # most trees started before the previous verify answered
     if not speculate_early:
-        assert not any(early)
-
-
-def _record_early_starts(monkeypatch) -> list[bool]:
-    """Per ssd round: whether its tree was one started early (RoundResult.speculated_early)."""
-    from coordinator import servicer as servicer_module
-
-    seen: list[bool] = []
-    original = servicer_module.ssd_rounds
-
-    async def recorded(*args, **kwargs):
-        async for result in original(*args, **kwargs):
-            seen.append(result.speculated_early)
-            yield result
-
-    monkeypatch.setattr(servicer_module, "ssd_rounds", recorded)
-    return seen
+        assert stats.speculated_early == 0

@@ -91,7 +91,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "fallback_reason", "accepted_per_position", "cache_hits", "cache_misses", "cache_hit_rate", "draft_wait_ms", "seed", "verify_ms", "verified_ahead")
+    __slots__ = ("mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "fallback_reason", "accepted_per_position", "cache_hits", "cache_misses", "cache_hit_rate", "draft_wait_ms", "seed", "verify_ms", "verified_ahead", "speculated_early")
     MODE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class SpeculationStats(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    SPECULATED_EARLY_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     rounds: int
     draft_tokens: int
@@ -122,7 +123,8 @@ class SpeculationStats(_message.Message):
     seed: int
     verify_ms: float
     verified_ahead: int
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., seed: _Optional[int] = ..., verify_ms: _Optional[float] = ..., verified_ahead: _Optional[int] = ...) -> None: ...
+    speculated_early: int
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., seed: _Optional[int] = ..., verify_ms: _Optional[float] = ..., verified_ahead: _Optional[int] = ..., speculated_early: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stop_reason", "usage", "stats", "logprobs", "trace_id", "request_id")
