@@ -51,7 +51,7 @@ class Sizing:
     current: int = dataclasses.field(init=False)  # index into levels
     probe: int | None = None  # index being tried, if any
     probe_down: bool = True  # the next neighbour probe's direction: kept while probes win
-    probes_since_zero: int = 0  # every zero_every-th probe jumps to budget 0 (plain sd)
+    probes_since_zero: int = 0  # every zero_every-th probe jumps to budget 0 (no tree: every round takes the backup)
     zero_every: int = _ZERO_EVERY  # from 0 every probe goes back up
     last_nonzero: int = 0  # index of the last nonzero level kept
     rounds: int = 0  # rounds since the last decision
