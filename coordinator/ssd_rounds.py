@@ -310,17 +310,6 @@ def _start_ahead(
     return _Launch(drafts, sent, verify_task, speculation, budget, len(committed))
 
 
-def _send_ahead(speculator: "_Speculator", verify_task: asyncio.Future, speculation: _Speculation, spec_task: asyncio.Future) -> None:
-    """Once the cache is in: send round T+1's verifies ahead if Verify(T) has not answered yet,
-    and start Speculate(T+1) for Verify(T)'s likeliest outcome."""
-    if verify_task.done() or spec_task.cancelled() or spec_task.exception() is not None:
-        return
-    cache = spec_task.result()
-    max_k = speculation.num_tokens
-    speculator.ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
-    speculator.early(speculation, cache)
-
-
 # Speculate early only for an outcome at least this likely: one that does not come true is
 # cancelled, and the Speculate that replaces it waits for the draft's current tree step.
 _EARLY_MIN_PROBABILITY = 0.5
@@ -359,7 +348,17 @@ class _Speculator:
 
     def _send_ahead_once_built(self, speculation: _Speculation, verify_task: asyncio.Future) -> None:
         if self._config.ssd_verify_ahead:
-            speculation.task.add_done_callback(functools.partial(_send_ahead, self, verify_task, speculation))
+            speculation.task.add_done_callback(functools.partial(self._send_ahead, verify_task, speculation))
+
+    def _send_ahead(self, verify_task: asyncio.Future, speculation: _Speculation, spec_task: asyncio.Future) -> None:
+        """Once the cache is in: send round T+1's verifies ahead if Verify(T) has not answered
+        yet, and start Speculate(T+1) for Verify(T)'s likeliest outcome."""
+        if verify_task.done() or spec_task.cancelled() or spec_task.exception() is not None:
+            return
+        cache = spec_task.result()
+        max_k = speculation.num_tokens
+        self.ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
+        self.early(speculation, cache)
 
     def early(self, speculation: _Speculation, cache: draft_pb2.SpeculationCache) -> None:
         """Speculate(T+1) for the likeliest outcome of the verify `speculation` ran beside."""
@@ -390,7 +389,7 @@ class _Speculator:
             self._drop(early)
             return None
         if spec.task.done():
-            _send_ahead(self, verify_task, spec, spec.task)
+            self._send_ahead(verify_task, spec, spec.task)
         else:
             self._send_ahead_once_built(spec, verify_task)
         return spec

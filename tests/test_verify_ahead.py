@@ -302,11 +302,7 @@ def test_requests_verified_ahead_end_cleanly(tiny_pair, max_new_tokens):
         by_stop = stub.Generate(
             request(ids, mode=pb.SPECULATION_MODE_SSD, max_new_tokens=max_new_tokens, stop=[stop]), timeout=CALL_TIMEOUT_S
         )
-        runners = (stack.target.servicer.runner, stack.draft.servicer.runner)
-        deadline = time.monotonic() + 5.0
-        while any(len(r.sessions) for r in runners) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [len(r.sessions) for r in runners] == [0, 0]
+        _assert_sessions_end(stack)
     assert_greedy_equal_or_near_tie(model, ids, list(by_length.token_ids), want)
     assert by_stop.finish_reason == pb.FINISH_REASON_STOP
     assert stop in tokenizer.decode(list(by_stop.token_ids))
@@ -343,11 +339,7 @@ def test_speculate_started_early_stays_exact(tiny_pair, case, speculate_early, m
         response = stack.stub().Generate(
             request(ids, mode=pb.SPECULATION_MODE_SSD, k=4, max_new_tokens=48), timeout=CALL_TIMEOUT_S
         )
-        deadline = time.monotonic() + 5.0
-        runners = (stack.target.servicer.runner, stack.draft.servicer.runner)
-        while any(len(r.sessions) for r in runners) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [len(r.sessions) for r in runners] == [0, 0]
+        _assert_sessions_end(stack)
     assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want)
     stats = response.stats
     assert stats.cache_hits > 0 and stats.verified_ahead > 0
@@ -355,3 +347,13 @@ def test_speculate_started_early_stays_exact(tiny_pair, case, speculate_early, m
         assert stats.speculated_early >= stats.rounds // 2  # most trees started before the previous verify answered
     if not speculate_early:
         assert stats.speculated_early == 0
+
+
+def _assert_sessions_end(stack, timeout_s: float = 5.0) -> None:
+    """Neither worker keeps a session once the requests are over (EndSession goes out after
+    the answer, so give it a moment)."""
+    runners = (stack.target.servicer.runner, stack.draft.servicer.runner)
+    deadline = time.monotonic() + timeout_s
+    while any(len(r.sessions) for r in runners) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [len(r.sessions) for r in runners] == [0, 0]
