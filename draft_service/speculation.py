@@ -8,7 +8,7 @@ token each.
 
 Cost: one forward over [pending committed..., d_1..d_K] (step 0) and K' forwards of B tokens.
 The prefix KV cache is never copied: the B branch tokens of each step are appended to the
-session's own DynamicCache as one flattened tree, and a 4-D attention mask lets branch b see
+session's own KV cache as one flattened tree, and a 4-D attention mask lets branch b see
 the prefix up to d_{j_b}, its own earlier tokens and itself, at explicit absolute positions.
 Afterwards the tree is cropped off, leaving the cache at committed + d_1..d_K.
 """
@@ -26,7 +26,8 @@ from draft_service.tree_mask import tree_mask, tree_supported
 from specd.forward import forward_logits
 from specd.saguaro import reshape_sorted
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
-from specd.session_cache import Session, _croppable
+from specd.kv_cache import croppable
+from specd.session_cache import Session
 
 
 class SpeculationCancelled(Exception):
@@ -146,7 +147,7 @@ def build(
     roots = _guesses(logits, draft_tokens, fanout)
     if on_guesses is not None:
         on_guesses(roots)  # the caller can tell a miss now, K' tree steps before the entries
-    if not roots or num_tokens == 0 or not _croppable(session.cache) or not tree_supported(model.config):
+    if not roots or num_tokens == 0 or not croppable(session.cache) or not tree_supported(model.config):
         # Sliding-window caches cannot drop the tree afterwards, and layers that are neither
         # full nor sliding-window attention get no mask here: no branches for them.
         return SpeculationResult([], (time.perf_counter() - started) * 1000.0)

@@ -106,7 +106,7 @@ class HFAssisted:
         per prompt, at the prompt's length plus `context_extra` tokens of context: the middle
         of a generation, where a verify in the stack runs on average."""
         import torch
-        from transformers import DynamicCache
+        from specd.kv_cache import SessionKVCache
 
         torch.set_num_threads(self.worker_threads)
         times = []
@@ -118,7 +118,7 @@ class HFAssisted:
                 context = ids.repeat(1, -(-length // ids.shape[1]))[:, :length]  # [1, P+extra]
                 block = context[:, -1:].repeat(1, k + 1)  # [1, K+1]
                 for _ in range(repeats):
-                    cache = DynamicCache()
+                    cache = SessionKVCache()  # the cache a worker's session uses
                     self.target(context, past_key_values=cache, use_cache=True)
                     started = time.perf_counter()
                     self.target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)

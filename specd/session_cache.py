@@ -13,7 +13,8 @@ import threading
 import time
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from specd.kv_cache import SessionKVCache, croppable
 
 
 class SessionNotFound(LookupError):
@@ -57,11 +58,11 @@ class Session:
         drop = len(self.cached_tokens) - keep
         if drop <= 0:
             return
-        if _croppable(self.cache):
+        if croppable(self.cache):
             self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to drop
         else:
             # Sliding-window or linear-attention layers cannot roll back: recompute.
-            self.cache = DynamicCache()
+            self.cache = SessionKVCache()
             keep = 0
         del self.cached_tokens[keep:]
 
@@ -78,14 +79,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _croppable(cache: DynamicCache) -> bool:
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
 class SessionStore:
     """Sessions by id, with an idle timeout and a cap; safe to call from any thread."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, new_cache=DynamicCache):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, new_cache=SessionKVCache):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._max_sessions = max_sessions
