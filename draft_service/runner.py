@@ -8,6 +8,7 @@ import threading
 
 from draft_service.speculation import SpeculationResult, build, draft_distributions, sample_draft_token
 from specd.forward import forward_logits, prefill_session
+from specd.lean_llama import lean_or_plain
 from specd.models import LoadedModel
 from specd.sampling import SamplingSettings, SparseDist
 from specd.session_cache import SessionStore
@@ -23,12 +24,13 @@ class Proposal:
 class DraftModelRunner:
     def __init__(self, loaded: LoadedModel, sessions: SessionStore, max_support: int):
         self.loaded = loaded
+        self.model = lean_or_plain(loaded.model)  # a draft's forwards are mostly per-call overhead
         self.sessions = sessions
         self.max_support = max_support
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
-        return prefill_session(self.loaded.model, self.sessions.open(session_id, start), start, tokens)
+        return prefill_session(self.model, self.sessions.open(session_id, start), start, tokens)
 
     def propose(
         self,
@@ -50,7 +52,7 @@ class DraftModelRunner:
         dists: list[SparseDist] = []
         total_ms = 0.0
         for i in range(num_tokens):
-            logits, forward_ms = forward_logits(self.loaded.model, session.cache, feed, 1)  # [1, V]
+            logits, forward_ms = forward_logits(self.model, session.cache, feed, 1)  # [1, V]
             session.extend(feed)
             total_ms += forward_ms
             saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
@@ -80,7 +82,7 @@ class DraftModelRunner:
         session = self.sessions.open(session_id, start)
         committed, feed = session.sync(start, tokens)
         return build(
-            self.loaded.model,
+            self.model,
             session,
             committed,
             feed,

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from draft_service.tree_mask import tree_mask, tree_supported
+from draft_service.tree_mask import TreeMasks, tree_supported
 from specd.forward import forward_logits
 from specd.saguaro import reshape_sorted
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
@@ -160,18 +160,16 @@ def build(
     tokens = [g for _, g in roots]
     branch_tokens: list[list[int]] = [[] for _ in roots]
     branch_dists: list[list[SparseDist]] = [[] for _ in roots]
-    dtype = next(model.parameters()).dtype
+    masks = TreeMasks(model.config, n + offsets, prefix_len, num_tokens, next(model.parameters()).dtype, device)
     try:
         for step in range(1, num_tokens + 1):
             if cancel is not None and cancel.is_set():
                 raise SpeculationCancelled()
             input_ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, B]
             position_ids = (n + offsets + step - 1).unsqueeze(0).to(device)  # [1, B]
-            mask = tree_mask(model.config, n + offsets, prefix_len, step, dtype)  # [1, 1, B, L0 + step*B] (per layer type)
-            mask = {kind: m.to(device) for kind, m in mask.items()} if isinstance(mask, dict) else mask.to(device)
             output = model(
                 input_ids=input_ids,
-                attention_mask=mask,
+                attention_mask=masks.at(step),  # [1, 1, B, L0 + step*B] (per layer type)
                 position_ids=position_ids,
                 past_key_values=session.cache,
                 use_cache=True,

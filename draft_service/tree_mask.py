@@ -66,3 +66,28 @@ def tree_mask(config, prefix_visible: torch.Tensor, prefix_len: int, step: int, 
     if layer_types is None:  # one kind of layer, all windowed (Mistral-style configs)
         return windowed
     return {FULL: _additive(visible, dtype), SLIDING: windowed}
+
+
+class TreeMasks:
+    """The masks of one build's steps 1..`steps`, on `device`.
+
+    Without a sliding window, step s's mask is the first prefix_len + s*B columns of the last
+    step's (the blocks only add columns), so it is built once and sliced: building it took
+    about a tenth of a one-layer draft's tree step. A window moves with each step's query
+    positions, so windowed masks are built per step.
+    """
+
+    def __init__(self, config, prefix_visible: torch.Tensor, prefix_len: int, steps: int, dtype: torch.dtype, device):
+        self._args = (config, prefix_visible, prefix_len, dtype, device)
+        self._branches = prefix_visible.shape[0]
+        self._whole = None
+        if getattr(config, "sliding_window", None) is None:
+            self._whole = tree_mask(config, prefix_visible, prefix_len, steps, dtype).to(device)  # [1, 1, B, L0 + steps*B]
+
+    def at(self, step: int):
+        """Step `step`'s mask (1-based), as tree_mask gives it."""
+        config, prefix_visible, prefix_len, dtype, device = self._args
+        if self._whole is not None:
+            return self._whole[..., : prefix_len + step * self._branches]  # [1, 1, B, L0 + step*B]: a view
+        mask = tree_mask(config, prefix_visible, prefix_len, step, dtype)
+        return {kind: m.to(device) for kind, m in mask.items()} if isinstance(mask, dict) else mask.to(device)
