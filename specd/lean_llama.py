@@ -16,6 +16,7 @@ import dataclasses
 import logging
 
 import torch
+from transformers.masking_utils import create_causal_mask
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,6 @@ class LeanLlama:
         logits_to_keep: int = 0,
         use_cache: bool = True,
     ) -> LeanOutput:
-        from transformers.masking_utils import create_causal_mask
-
         inner = self._inner
         hidden = inner.embed_tokens(input_ids)  # [1, L, H]
         if position_ids is None:

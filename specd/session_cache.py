@@ -82,12 +82,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class SessionStore:
     """Sessions by id, with an idle timeout and a cap; safe to call from any thread."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, new_cache=SessionKVCache):
+    def __init__(self, max_sessions: int, idle_timeout_s: float):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._max_sessions = max_sessions
         self._idle_timeout_s = idle_timeout_s
-        self._new_cache = new_cache
 
     def open(self, session_id: str, start: int) -> Session:
         """The session to continue; a new one when the request starts at position 0."""
@@ -102,7 +101,7 @@ class SessionStore:
                     raise TooManySessions(
                         f"this worker holds its maximum of {self._max_sessions} sessions; retry later"
                     )
-                session = Session(cache=self._new_cache())
+                session = Session(cache=SessionKVCache())
                 self._sessions[session_id] = session
             session.last_used = time.monotonic()
             return session
