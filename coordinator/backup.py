@@ -8,8 +8,11 @@ from specd.sampling import SparseDist
 def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the history's longest suffix.
 
-    Tries suffixes of max_ngram tokens down to one; [] when none recurs. Costs no model call,
-    so a miss loses only the round's acceptance, never a draft forward on the critical path.
+    Tries suffixes of max_ngram tokens down to one; [] when none recurs. The continuation is
+    copied token by token and may run on into the tokens it has just copied, so a stretch that
+    repeats with period p (the latest match p tokens back) is guessed to go on repeating for all
+    `num_tokens`, instead of the p tokens left before the history ends. Costs no model call, so
+    a miss loses only the round's acceptance, never a draft forward on the critical path.
     """
     if num_tokens <= 0:
         return []
@@ -17,8 +20,16 @@ def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> li
         suffix = history[-n:]
         for start in range(len(history) - n - 1, -1, -1):
             if history[start : start + n] == suffix:
-                return history[start + n : start + n + num_tokens]
+                return _copy_forward(history, start + n, num_tokens)
     return []
+
+
+def _copy_forward(history: list[int], source: int, num_tokens: int) -> list[int]:
+    """num_tokens tokens copied from history[source:], reading on into the copy itself."""
+    extended = list(history)
+    for offset in range(num_tokens):
+        extended.append(extended[source + offset])  # source + offset < len(extended): source < len(history)
+    return extended[len(history) :]
 
 
 def one_hot(tokens: list[int]) -> list[SparseDist]:

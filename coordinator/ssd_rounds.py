@@ -180,6 +180,7 @@ async def ssd_rounds(
                         started = time.perf_counter()
                         try:
                             drafts = await _draft_without_cache(gen, draft, config, tuning, num_draft, backup)
+                            backup = drafts.source
                         except DraftFailed as exc:
                             fallback, usable = str(exc), False
                         draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
@@ -268,10 +269,16 @@ async def ssd_rounds(
 async def _draft_without_cache(
     gen: Generation, draft: DraftLink, config: CoordinatorConfig, tuning: Tuning, num_draft: int, backup: str
 ) -> Drafts:
-    """Round 0's draft, or a miss's: a prompt-lookup guess (`ngram`) or a Propose call."""
+    """Round 0's draft, or a miss's: a prompt-lookup guess (`ngram`) or a Propose call.
+
+    A lookup that finds no match would leave the round no draft at all, one token for a whole
+    verification: the draft proposes instead (source `jit`).
+    """
     if backup == "ngram":
         guess = prompt_lookup(gen.committed, num_draft)
-        return Drafts(guess, one_hot(guess), "ngram")
+        if guess:
+            return Drafts(guess, one_hot(guess), "ngram")
+        backup = "jit"
     vocab = draft.info.vocab_size
     saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
     response = await draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro)

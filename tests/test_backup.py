@@ -21,8 +21,14 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_suffix():
     assert prompt_lookup([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 1) == [9]  # "1 2 3" beats "2 3"
     assert prompt_lookup([1, 2, 3], 2) == []
     assert prompt_lookup([5], 2) == []
-    assert prompt_lookup([7, 7], 3) == [7]
     assert prompt_lookup([1, 2, 1, 2], 0) == []
+
+
+def test_prompt_lookup_runs_a_repeating_stretch_on_past_the_history():
+    """A match p tokens back continues with period p for every token asked, not p tokens."""
+    assert prompt_lookup([7, 7], 3) == [7, 7, 7]
+    assert prompt_lookup([5, 1, 2, 3, 1, 2, 3], 5) == [1, 2, 3, 1, 2]
+    assert prompt_lookup([4, 9, 8, 4, 9], 4) == [8, 4, 9, 8]  # a match earlier on copies on the same way
 
 
 def test_one_hot_guess_is_exact_at_temperature_one():
