@@ -34,6 +34,10 @@ _MAX_STAY_ROUNDS = 128  # each losing probe doubles the wait for the next, up to
 _PROBE_ROUNDS = 8  # rounds spent at a neighbouring level
 _EMA = 0.2  # weight of a new sample in every running average here
 _MARGIN = 0.97  # a probed level must be this much faster to be adopted
+# Budget 0 must be clearly faster: its probe runs on whatever text comes, and where the text
+# repeats itself prompt lookup drafts as well as the tree for a while, so a small lead at 0 is
+# mostly the text; adopting 0 wrongly loses every cache hit (and verify-ahead) until it is left.
+_ZERO_MARGIN = 0.9
 _ZERO_EVERY, _MAX_ZERO_EVERY = 3, 48  # probes between jumps to budget 0: doubled each time 0 loses
 
 
@@ -133,7 +137,8 @@ class Sizing:
                 self.probe = None
         elif self.probe is not None and self.rounds >= _PROBE_ROUNDS:
             tried, kept = self.levels[self.probe], self.levels[self.current]
-            if self.ms_per_token(tried) < _MARGIN * self.ms_per_token(kept):
+            margin = _ZERO_MARGIN if tried == 0 else _MARGIN
+            if self.ms_per_token(tried) < margin * self.ms_per_token(kept):
                 self.current = self.probe  # and probe further the same way
                 if self.current != 0:
                     self.last_nonzero = self.current

@@ -55,6 +55,15 @@ def test_budget_finds_zero_behind_a_plateau():
     assert chosen[-1] > 0
 
 
+def test_budget_zero_must_win_clearly_to_be_adopted():
+    # A few percent ahead at 0 is within what the text alone does to a probe's 8 rounds.
+    sizing = Sizing(max_budget=16)
+    chosen = _run(sizing, lambda b: 48.0 if b == 0 else 50.0, 600)
+    assert 0 not in chosen
+    chosen = _run(sizing, lambda b: 43.0 if b == 0 else 50.0, 600)
+    assert chosen[-1] == 0
+
+
 def _run_timed(sizing: Sizing, cost, build_ms, verify_ms: float, rounds: int) -> list[int]:
     """Like _run, with each nonzero level's build time reported as the loop reports it."""
     chosen = []
