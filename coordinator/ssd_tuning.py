@@ -11,6 +11,11 @@ measured throughput.
   Rather than model that, the coordinator measures what matters, milliseconds per emitted
   token, at its current budget and now and then at a neighbouring budget level, and keeps the
   faster one. What it learns is shared by all requests.
+- A request's acceptance starts from the coordinator's recent rounds (all requests), not from
+  a fixed guess: the Speculate beside round 0 is sized before anything of the request is
+  verified, and with a guess below the pair's acceptance its few branches went to early
+  rejections while round 0 accepted everything (traced at K = 8: round 1 missed in most
+  requests).
 - A level whose measured build takes longer than the measured verification is not tried
   again from below, and is left one level down at once if it is the current one (never down
   to 0 by this rule): a cache that arrives after the verification puts the draft back on the
@@ -24,9 +29,11 @@ import math
 
 from specd import fanout as fanout_lib
 
-# Acceptance prior (per token) before a request has verified anything, and its weight in rounds.
+# Acceptance (per token) before the coordinator has verified anything, and a request's prior's
+# weight in rounds: the prior is the coordinator's recent acceptance.
 _PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.7, 2.0
-_DECAY = 0.9  # per round: recent rounds dominate the acceptance estimate
+_DECAY = 0.9  # per round: recent rounds dominate a request's acceptance estimate
+_SHARED_DECAY = 0.98  # per round, over all requests: a few requests' worth
 _REACH = 0.1  # K covers the positions a draft token reaches with probability >= this
 _LEVELS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _STAY_ROUNDS = 16  # rounds at the chosen level between probes, while probes win
@@ -44,6 +51,30 @@ _ZERO_EVERY, _MAX_ZERO_EVERY = 3, 48  # probes between jumps to budget 0: double
 def _ema(average: float | None, sample: float) -> float:
     """The running average after `sample`; the first sample starts it."""
     return sample if average is None else (1 - _EMA) * average + _EMA * sample
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """Per-token acceptance from decayed counts: the capped-geometric maximum-likelihood estimate
+    (accepted tokens over accepted tokens plus rejections)."""
+
+    decay: float
+    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
+    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+
+    @classmethod
+    def starting_at(cls, rate: float, decay: float) -> "Acceptance":
+        return cls(decay, rate * _PRIOR_WEIGHT, (1 - rate) * _PRIOR_WEIGHT)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, num_draft: int, accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.accepted = self.accepted * self.decay + accepted
+        self.rejected = self.rejected * self.decay + (1.0 if accepted < num_draft else 0.0)
 
 
 @dataclasses.dataclass
@@ -65,6 +96,7 @@ class Sizing:
     build_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of the tree build
     verify_ms: float | None = None  # EMA of the target's verify forward
     build_step_ms: float | None = None  # EMA of one build forward (a build's time / its forwards)
+    acceptance: "Acceptance" = dataclasses.field(default_factory=lambda: Acceptance(decay=_SHARED_DECAY))  # all requests'
 
     def __post_init__(self) -> None:
         self.levels = sorted({b for b in _LEVELS if b <= self.max_budget} | {self.max_budget})
@@ -163,9 +195,12 @@ class Tuning:
     max_budget: int
     adaptive: bool
     sizing: Sizing | None = None
-    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
-    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
     previous_budget: int | None = None  # the budget the previous round speculated with
+    own: Acceptance = dataclasses.field(init=False)  # this request's
+
+    def __post_init__(self) -> None:
+        prior = self.sizing.acceptance.rate if self.sizing is not None else _PRIOR_ACCEPTANCE
+        self.own = Acceptance.starting_at(prior, _DECAY)
 
     @property
     def budget(self) -> int:
@@ -175,14 +210,13 @@ class Tuning:
 
     @property
     def acceptance(self) -> float:
-        """Per-token acceptance, the capped-geometric maximum-likelihood estimate."""
-        return self.accepted / (self.accepted + self.rejected)
+        """The request's per-token acceptance."""
+        return self.own.rate
 
     def observe_round(self, num_draft: int, accepted: int) -> None:
-        if num_draft == 0:
-            return
-        self.accepted = self.accepted * _DECAY + accepted
-        self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
+        self.own.observe(num_draft, accepted)
+        if self.sizing is not None:
+            self.sizing.acceptance.observe(num_draft, accepted)
 
     def observe_time(self, budget: int, round_ms: float, tokens: int) -> None:
         """A round's time is spent at its own budget (the tree beside its Verify), but its

@@ -150,3 +150,22 @@ def test_probes_at_zero_thin_out_while_zero_keeps_losing():
     assert 0 in budgets[:1000]  # still probed while the search is young
     assert sum(b == 0 for b in budgets[1000:]) < 16  # 40 when every third probe was at 0
     assert sum(b not in (0, 8) for b in budgets[1000:]) > 0  # neighbours still probed
+
+
+def test_a_request_starts_from_the_coordinators_recent_acceptance():
+    # Round 0's Speculate is sized before the request has verified anything: with the pair
+    # accepting nearly everything, its fan-out must already favour k = K, and K be the most.
+    sizing = Sizing(max_budget=8)
+    fresh = Tuning(max_k=8, max_budget=8, adaptive=True, sizing=sizing)
+    assert fresh.acceptance == 0.7 and fresh.k == 7
+    for _ in range(3):
+        earlier = Tuning(max_k=8, max_budget=8, adaptive=True, sizing=sizing)
+        for _ in range(16):
+            earlier.observe_round(8, 8)
+    informed = Tuning(max_k=8, max_budget=8, adaptive=True, sizing=sizing)
+    assert informed.acceptance > 0.95 and informed.k == 8
+    assert informed.fanout(8, 4096, 0.5)[8] == max(informed.fanout(8, 4096, 0.5))
+    # A prior, not a verdict: the request's own rounds take over.
+    for _ in range(10):
+        informed.observe_round(8, 0)
+    assert informed.acceptance < 0.3
