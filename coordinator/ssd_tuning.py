@@ -10,14 +10,16 @@ measured throughput.
   16-branch build beside Verify doubled the verify's forward time; idle, it adds far less).
   Rather than model that, the coordinator measures what matters, milliseconds per emitted
   token, at its current budget and now and then at a neighbouring budget level, and keeps the
-  faster one. What it learns is shared by all requests.
+  faster one. A probe is judged against its own level measured on both sides of it (before and
+  after), so text that changes under it counts at most half. What it learns is shared by all
+  requests.
 - A request's acceptance starts from the coordinator's recent rounds (all requests), not from
   a fixed guess: the Speculate beside round 0 is sized before anything of the request is
   verified, and with a guess below the pair's acceptance its few branches went to early
   rejections while round 0 accepted everything (traced at K = 8: round 1 missed in most
   requests).
 - A level whose measured build takes longer than the measured verification is not tried
-  again from below, and is left one level down at once if it is the current one (never down
+  again from below (until that measure is old), and is left one level down at once if it is the current one (never down
   to 0 by this rule): a cache that arrives after the verification puts the draft back on the
   critical path.
 """
@@ -45,6 +47,7 @@ _MARGIN = 0.97  # a probed level must be this much faster to be adopted
 # repeats itself prompt lookup drafts as well as the tree for a while, so a small lead at 0 is
 # mostly the text; adopting 0 wrongly loses every cache hit (and verify-ahead) until it is left.
 _ZERO_MARGIN = 0.9
+_BUILD_MEMORY = 256  # builds after which a level's build time is retried rather than trusted
 _ZERO_EVERY, _MAX_ZERO_EVERY = 3, 48  # probes between jumps to budget 0: doubled each time 0 loses
 
 
@@ -89,11 +92,14 @@ class Sizing:
     probes_since_zero: int = 0  # every zero_every-th probe jumps to budget 0 (no tree: every round takes the backup)
     zero_every: int = _ZERO_EVERY  # from 0 every probe goes back up
     last_nonzero: int = 0  # index of the last nonzero level kept
-    rounds: int = 0  # rounds since the last decision
+    rounds: int = 0  # rounds since the last decision (or the probe's end)
+    trial: "_Trial | None" = None  # the probe under way, or being judged by the rounds after it
     stay_rounds: int = _STAY_ROUNDS  # rounds at the chosen level before the next probe
     round_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of a round's ms
     round_tokens: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of its tokens
     build_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of the tree build
+    builds: int = 0  # builds observed, at any level
+    build_seen: dict[int, int] = dataclasses.field(default_factory=dict)  # level -> `builds` at its last build
     verify_ms: float | None = None  # EMA of the target's verify forward
     build_step_ms: float | None = None  # EMA of one build forward (a build's time / its forwards)
     acceptance: "Acceptance" = dataclasses.field(default_factory=lambda: Acceptance(decay=_SHARED_DECAY))  # all requests'
@@ -107,9 +113,14 @@ class Sizing:
         return self.levels[self.probe if self.probe is not None else self.current]
 
     def fits(self, index: int) -> bool:
-        """Whether level `index`'s build is not known to outlast a verification."""
-        built = self.build_ms.get(self.levels[index])
-        return built is None or self.verify_ms is None or built <= self.verify_ms
+        """Whether level `index`'s build is not known to outlast a verification. What is known
+        expires: a level is measured only while in use, and a slow spell of the machine (or of
+        the draft beside a longer verification) would otherwise keep it out for good."""
+        level = self.levels[index]
+        built = self.build_ms.get(level)
+        if built is None or self.verify_ms is None:
+            return True
+        return built <= self.verify_ms or self.builds - self.build_seen[level] > _BUILD_MEMORY
 
     def max_depth(self) -> int | None:
         """The most tree steps (K) whose build, with its step 0, fits in a verification."""
@@ -123,6 +134,8 @@ class Sizing:
         step = build_ms / max(1, forwards)
         self.build_step_ms = _ema(self.build_step_ms, step)
         self.build_ms[budget] = _ema(self.build_ms.get(budget), build_ms)
+        self.builds += 1
+        self.build_seen[budget] = self.builds
         self.verify_ms = _ema(self.verify_ms, verify_ms)
         # One level down now, but not to 0 this way: a tree's depth (K forwards) costs more
         # than its width, so a smaller budget may not fit either, and whether no cache at all
@@ -131,6 +144,7 @@ class Sizing:
             self.current -= 1
             self.rounds = 0
             self.last_nonzero = self.current
+            self.trial = None  # its rounds after the probe were to measure the level just left
 
     def ms_per_token(self, level: int) -> float:
         """A level's cost: average round time over average tokens per round (a ratio of
@@ -146,45 +160,104 @@ class Sizing:
         self.round_ms[budget] = _ema(self.round_ms.get(budget), round_ms)
         self.round_tokens[budget] = _ema(self.round_tokens.get(budget), float(tokens))
         self.rounds += 1
-        if self.probe is None and self.rounds >= self.stay_rounds and len(self.levels) > 1:
-            self.probes_since_zero += 1
-            if self.current == 0:
-                # From no tree, a neighbour (one or two branches) hardly ever hits, so it cannot
-                # show whether a tree pays: try the last good level outright.
-                self.probe = self.last_nonzero
-            elif self.probes_since_zero >= self.zero_every:
-                # A plateau of nonzero levels (the tree's mere presence slows the target) hides
-                # budget 0 from a neighbour search: try it outright. Each probe at 0 misses every
-                # cache lookup (and the round after it), so one that loses waits twice as long.
-                self.probe, self.probes_since_zero = 0, 0
-            else:
-                step = -1 if self.probe_down else 1
-                neighbour = self.current + step
-                if not (0 <= neighbour < len(self.levels) and self.fits(neighbour)):
-                    self.probe_down = not self.probe_down  # that way is closed: the other one
-                    neighbour = self.current - step
-                self.probe = neighbour if 0 <= neighbour < len(self.levels) else self.current
+        trial = self.trial
+        if trial is not None:
+            if self.probe is not None:  # the probe's rounds
+                if budget == self.levels[self.probe]:
+                    trial.probe.add(round_ms, tokens)
+                if self.rounds >= _PROBE_ROUNDS:
+                    self.probe, self.rounds = None, 0  # back to the kept level, to measure it after
+            else:  # the kept level's rounds after the probe
+                if budget == self.levels[self.current]:
+                    trial.after.add(round_ms, tokens)
+                if self.rounds >= _PROBE_ROUNDS:
+                    self._judge(trial)
+                    self.trial, self.rounds = None, 0
+        elif self.rounds >= self.stay_rounds and len(self.levels) > 1:
+            self._start_probe()
             self.rounds = 0
-            if self.probe == self.current:
-                self.probe = None
-        elif self.probe is not None and self.rounds >= _PROBE_ROUNDS:
-            tried, kept = self.levels[self.probe], self.levels[self.current]
-            margin = _ZERO_MARGIN if tried == 0 else _MARGIN
-            if self.ms_per_token(tried) < margin * self.ms_per_token(kept):
-                self.current = self.probe  # and probe further the same way
-                if self.current != 0:
-                    self.last_nonzero = self.current
-                self.stay_rounds = _STAY_ROUNDS
-                if tried == 0 or kept == 0:
-                    self.zero_every = _ZERO_EVERY
-            else:
-                if tried == 0:
-                    self.zero_every = min(2 * self.zero_every, _MAX_ZERO_EVERY)
-                # A settled level is probed away from less and less often: a probe costs rounds
-                # at a worse budget (a probe at 0 loses every cache hit it would have had).
-                self.probe_down = not self.probe_down
-                self.stay_rounds = min(2 * self.stay_rounds, _MAX_STAY_ROUNDS)
-            self.probe, self.rounds = None, 0
+
+    def _start_probe(self) -> None:
+        self.probes_since_zero += 1
+        if self.current == 0:
+            # From no tree, a neighbour (one or two branches) hardly ever hits, so it cannot
+            # show whether a tree pays: try the last good level outright.
+            probe = self.last_nonzero
+        elif self.probes_since_zero >= self.zero_every:
+            # A plateau of nonzero levels (the tree's mere presence slows the target) hides
+            # budget 0 from a neighbour search: try it outright. Each probe at 0 misses every
+            # cache lookup (and the round after it), so one that loses waits twice as long.
+            probe, self.probes_since_zero = 0, 0
+        else:
+            step = -1 if self.probe_down else 1
+            neighbour = self.current + step
+            if not (0 <= neighbour < len(self.levels) and self.fits(neighbour)):
+                self.probe_down = not self.probe_down  # that way is closed: the other one
+                neighbour = self.current - step
+            probe = neighbour if 0 <= neighbour < len(self.levels) else self.current
+        if probe == self.current:
+            return
+        kept = self.levels[self.current]
+        before = _Window()
+        if kept in self.round_ms:
+            before.add(self.round_ms[kept], self.round_tokens[kept])
+        self.probe, self.trial = probe, _Trial(before=before, probed=self.levels[probe])
+
+    def _judge(self, trial: "_Trial") -> None:
+        """Adopt the probed level if it beat the kept level measured around it (before and
+        after): text that changes under a probe (a stretch that repeats itself drafts twice as
+        many tokens per round) changes the rounds after it too."""
+        tried, kept = trial.probed, self.levels[self.current]
+        kept_cost = trial.before.merged(trial.after).ms_per_token()
+        margin = _ZERO_MARGIN if tried == 0 else _MARGIN
+        if trial.probe.ms_per_token() < margin * kept_cost:
+            self.current = self.levels.index(tried)  # and probe further the same way
+            if self.current != 0:
+                self.last_nonzero = self.current
+            self.stay_rounds = _STAY_ROUNDS
+            if tried == 0 or kept == 0:
+                self.zero_every = _ZERO_EVERY
+        else:
+            if tried == 0:
+                self.zero_every = min(2 * self.zero_every, _MAX_ZERO_EVERY)
+            # A settled level is probed away from less and less often: a probe costs rounds
+            # at a worse budget (a probe at 0 loses every cache hit it would have had).
+            self.probe_down = not self.probe_down
+            self.stay_rounds = min(2 * self.stay_rounds, _MAX_STAY_ROUNDS)
+
+
+@dataclasses.dataclass
+class _Window:
+    """Rounds' summed time and tokens: their cost is a ratio of sums, as ms_per_token's."""
+
+    ms: float = 0.0
+    tokens: float = 0.0
+    rounds: int = 0
+
+    def add(self, ms: float, tokens: float) -> None:
+        self.ms, self.tokens, self.rounds = self.ms + ms, self.tokens + tokens, self.rounds + 1
+
+    def merged(self, other: "_Window") -> "_Window":
+        """Both windows, each weighted as one average round: the kept level's average from
+        before the probe counts as much as the rounds after it."""
+        merged = _Window()
+        for window in (self, other):
+            if window.rounds:
+                merged.add(window.ms / window.rounds, window.tokens / window.rounds)
+        return merged
+
+    def ms_per_token(self) -> float:
+        return self.ms / self.tokens if self.tokens > 0 else math.inf
+
+
+@dataclasses.dataclass
+class _Trial:
+    """A probe being judged: its own rounds, and the kept level's around them."""
+
+    before: _Window  # the kept level's running average when the probe began (one round's worth)
+    probed: int = -1  # the level probed
+    probe: _Window = dataclasses.field(default_factory=_Window)
+    after: _Window = dataclasses.field(default_factory=_Window)
 
 
 @dataclasses.dataclass

@@ -48,7 +48,8 @@ def test_k_follows_acceptance():
 def test_budget_finds_zero_behind_a_plateau():
     # Measured on a shared 2-core box: any tree beside Verify slowed it alike; only B = 0 (sd) won.
     sizing = Sizing(max_budget=16)
-    chosen = _run(sizing, lambda b: 50.0 if b == 0 else 65.0, 150)
+    # The third probe goes to 0; each probe is judged over its 8 rounds and 8 more after it.
+    chosen = _run(sizing, lambda b: 50.0 if b == 0 else 65.0, 200)
     assert chosen[-1] == 0
     # And back up when speculation pays again.
     chosen = _run(sizing, lambda b: 65.0 if b == 0 else 50.0 - b / 8, 300)
@@ -62,6 +63,31 @@ def test_budget_zero_must_win_clearly_to_be_adopted():
     assert 0 not in chosen
     chosen = _run(sizing, lambda b: 43.0 if b == 0 else 50.0, 600)
     assert chosen[-1] == 0
+
+
+def test_a_probe_is_judged_against_the_kept_level_on_both_sides_of_it():
+    # The text gets easier round by round (a stretch that repeats itself): every level is
+    # equally fast at any moment, so the probe, later than the kept level's average from
+    # before it, must not win on that alone.
+    sizing = Sizing(max_budget=16)
+    while sizing.probe is None:
+        sizing.observe(sizing.budget, 60.0, tokens=4)
+    probed = sizing.budget
+    assert probed == 12
+    while sizing.probe is not None:
+        sizing.observe(probed, 50.0, tokens=4)
+    while sizing.trial is not None:
+        sizing.observe(16, 40.0, tokens=4)
+    assert sizing.levels[sizing.current] == 16
+    # A level that is faster at the same moment is adopted.
+    while sizing.probe is None:
+        sizing.observe(sizing.budget, 40.0, tokens=4)
+    probed = sizing.budget
+    while sizing.probe is not None:
+        sizing.observe(probed, 30.0, tokens=4)
+    while sizing.trial is not None:
+        sizing.observe(16, 40.0, tokens=4)
+    assert sizing.levels[sizing.current] == probed
 
 
 def _run_timed(sizing: Sizing, cost, build_ms, verify_ms: float, rounds: int) -> list[int]:
@@ -80,10 +106,26 @@ def test_budget_never_settles_on_a_build_longer_than_the_verification():
     # Throughput alone would pick B = 16, but a 16-branch (or 12-branch) build outlasts the
     # 20 ms verification: the cache would come late, so those levels are left and not retried.
     sizing = Sizing(max_budget=16)
-    chosen = _run_timed(sizing, lambda b: 60.0 - b, lambda b: 5.0 + 1.5 * b, 20.0, 400)
+    chosen = _run_timed(sizing, lambda b: 60.0 - b, lambda b: 5.0 + 1.5 * b, 20.0, 100)
     assert chosen[-1] == 8
     assert max(chosen[50:]) == 8
     assert sizing.fits(sizing.levels.index(8)) and not sizing.fits(sizing.levels.index(12))
+    # Once that is old news a larger tree may be probed again; it still does not stay.
+    chosen = _run_timed(sizing, lambda b: 60.0 - b, lambda b: 5.0 + 1.5 * b, 20.0, 300)
+    assert max(chosen) == 8
+
+
+def test_a_build_too_slow_once_is_retried_later():
+    # A slow spell marks B = 16 as outlasting the verification; once that is old news (the
+    # machine is fast again, the smaller tree's builds say so) B = 16 may be probed again.
+    sizing = Sizing(max_budget=16)
+    sizing.observe_build(16, 30.0, 20.0)
+    assert not sizing.fits(sizing.levels.index(16)) and sizing.levels[sizing.current] == 12
+    for _ in range(256):
+        sizing.observe_build(12, 8.0, 20.0)
+    assert not sizing.fits(sizing.levels.index(16))
+    sizing.observe_build(12, 8.0, 20.0)
+    assert sizing.fits(sizing.levels.index(16))
 
 
 def test_probes_thin_out_once_the_budget_has_settled():
@@ -131,7 +173,7 @@ def test_from_zero_the_next_probe_is_the_last_good_budget():
     # from budget 0 a neighbour search would never see that, and left the loop at 0 for the
     # 100+ rounds until its third probe.
     sizing = Sizing(max_budget=16)
-    _run(sizing, lambda b: 50.0 if b == 0 else 65.0, 150)
+    _run(sizing, lambda b: 50.0 if b == 0 else 65.0, 200)
     assert sizing.levels[sizing.current] == 0
     chosen = _run(sizing, lambda b: {0: 50.0, 1: 55.0, 2: 54.0}.get(b, 40.0), 60)
     assert chosen[-1] > 2
