@@ -26,6 +26,7 @@ measured throughput.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -40,9 +41,10 @@ _REACH = 0.1  # K covers the positions a draft token reaches with probability >=
 _LEVELS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 _STAY_ROUNDS = 16  # rounds at the chosen level between probes, while probes win
 _MAX_STAY_ROUNDS = 128  # each losing probe doubles the wait for the next, up to this
-_PROBE_ROUNDS = 8  # rounds spent at a neighbouring level
+_PROBE_ROUNDS = 16  # rounds spent at a neighbouring level, then as many back at the kept one
 _EMA = 0.2  # weight of a new sample in every running average here
 _MARGIN = 0.97  # a probed level must be this much faster to be adopted
+_Z = 2.33  # and faster by this many standard errors (one-sided 99%)
 # Budget 0 must be clearly faster: its probe runs on whatever text comes, and where the text
 # repeats itself prompt lookup drafts as well as the tree for a while, so a small lead at 0 is
 # mostly the text; adopting 0 wrongly loses every cache hit (and verify-ahead) until it is left.
@@ -94,6 +96,7 @@ class Sizing:
     last_nonzero: int = 0  # index of the last nonzero level kept
     rounds: int = 0  # rounds since the last decision (or the probe's end)
     trial: "_Trial | None" = None  # the probe under way, or being judged by the rounds after it
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_PROBE_ROUNDS))  # (ms, tokens) at the current level
     stay_rounds: int = _STAY_ROUNDS  # rounds at the chosen level before the next probe
     round_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of a round's ms
     round_tokens: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of its tokens
@@ -145,6 +148,7 @@ class Sizing:
             self.rounds = 0
             self.last_nonzero = self.current
             self.trial = None  # its rounds after the probe were to measure the level just left
+            self.recent.clear()
 
     def ms_per_token(self, level: int) -> float:
         """A level's cost: average round time over average tokens per round (a ratio of
@@ -160,19 +164,23 @@ class Sizing:
         self.round_ms[budget] = _ema(self.round_ms.get(budget), round_ms)
         self.round_tokens[budget] = _ema(self.round_tokens.get(budget), float(tokens))
         self.rounds += 1
+        sample = (round_ms, float(tokens))
+        at_current = budget == self.levels[self.current]
         trial = self.trial
-        if trial is not None:
-            if self.probe is not None:  # the probe's rounds
-                if budget == self.levels[self.probe]:
-                    trial.probe.add(round_ms, tokens)
-                if self.rounds >= _PROBE_ROUNDS:
-                    self.probe, self.rounds = None, 0  # back to the kept level, to measure it after
-            else:  # the kept level's rounds after the probe
-                if budget == self.levels[self.current]:
-                    trial.after.add(round_ms, tokens)
-                if self.rounds >= _PROBE_ROUNDS:
-                    self._judge(trial)
-                    self.trial, self.rounds = None, 0
+        if trial is not None and self.probe is not None:  # the probe's rounds
+            if budget == self.levels[self.probe]:
+                trial.probe.append(sample)
+            if self.rounds >= _PROBE_ROUNDS:
+                self.probe, self.rounds = None, 0  # back to the kept level, to measure it after
+            return
+        if at_current:
+            self.recent.append(sample)
+        if trial is not None:  # the kept level's rounds after the probe
+            if at_current:
+                trial.after.append(sample)
+            if self.rounds >= _PROBE_ROUNDS:
+                self._judge(trial)
+                self.trial, self.rounds = None, 0
         elif self.rounds >= self.stay_rounds and len(self.levels) > 1:
             self._start_probe()
             self.rounds = 0
@@ -197,21 +205,25 @@ class Sizing:
             probe = neighbour if 0 <= neighbour < len(self.levels) else self.current
         if probe == self.current:
             return
-        kept = self.levels[self.current]
-        before = _Window()
-        if kept in self.round_ms:
-            before.add(self.round_ms[kept], self.round_tokens[kept])
-        self.probe, self.trial = probe, _Trial(before=before, probed=self.levels[probe])
+        self.probe, self.trial = probe, _Trial(probed=self.levels[probe], before=list(self.recent))
 
     def _judge(self, trial: "_Trial") -> None:
-        """Adopt the probed level if it beat the kept level measured around it (before and
-        after): text that changes under a probe (a stretch that repeats itself drafts twice as
-        many tokens per round) changes the rounds after it too."""
+        """Adopt the probed level if it beat the kept level measured around it, by its margin
+        and by more than the rounds' own scatter says chance would.
+
+        Around it, before and after: text that changes under a probe (a stretch that repeats
+        itself drafts twice as many tokens per round) changes the rounds after it too. And
+        beyond chance: over 8 rounds the text alone moves ms per token by tens of percent
+        (logged at K = 4, the budget walked 16 -> 0 one noisy probe at a time), far more than
+        a few branches more or less do; a level is left for one that is clearly faster."""
         tried, kept = trial.probed, self.levels[self.current]
-        kept_cost = trial.before.merged(trial.after).ms_per_token()
+        probe_cost, probe_error = _cost(trial.probe)
+        kept_cost, kept_error = _cost(trial.before + trial.after)
         margin = _ZERO_MARGIN if tried == 0 else _MARGIN
-        if trial.probe.ms_per_token() < margin * kept_cost:
+        lead = kept_cost - probe_cost
+        if probe_cost < margin * kept_cost and lead > _Z * math.hypot(probe_error, kept_error):
             self.current = self.levels.index(tried)  # and probe further the same way
+            self.recent = collections.deque(trial.probe, maxlen=_PROBE_ROUNDS)
             if self.current != 0:
                 self.last_nonzero = self.current
             self.stay_rounds = _STAY_ROUNDS
@@ -226,38 +238,27 @@ class Sizing:
             self.stay_rounds = min(2 * self.stay_rounds, _MAX_STAY_ROUNDS)
 
 
-@dataclasses.dataclass
-class _Window:
-    """Rounds' summed time and tokens: their cost is a ratio of sums, as ms_per_token's."""
-
-    ms: float = 0.0
-    tokens: float = 0.0
-    rounds: int = 0
-
-    def add(self, ms: float, tokens: float) -> None:
-        self.ms, self.tokens, self.rounds = self.ms + ms, self.tokens + tokens, self.rounds + 1
-
-    def merged(self, other: "_Window") -> "_Window":
-        """Both windows, each weighted as one average round: the kept level's average from
-        before the probe counts as much as the rounds after it."""
-        merged = _Window()
-        for window in (self, other):
-            if window.rounds:
-                merged.add(window.ms / window.rounds, window.tokens / window.rounds)
-        return merged
-
-    def ms_per_token(self) -> float:
-        return self.ms / self.tokens if self.tokens > 0 else math.inf
+def _cost(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """Rounds' ms per token (a ratio of sums, as ms_per_token's) and its standard error (the
+    ratio estimator's: the scatter of ms - cost * tokens); inf, inf without two rounds."""
+    if len(samples) < 2:
+        return math.inf, math.inf
+    total_ms = sum(ms for ms, _ in samples)
+    total_tokens = sum(tokens for _, tokens in samples)
+    cost = total_ms / total_tokens
+    n = len(samples)
+    scatter = sum((ms - cost * tokens) ** 2 for ms, tokens in samples) / (n - 1)
+    return cost, math.sqrt(scatter / n) / (total_tokens / n)
 
 
 @dataclasses.dataclass
 class _Trial:
     """A probe being judged: its own rounds, and the kept level's around them."""
 
-    before: _Window  # the kept level's running average when the probe began (one round's worth)
-    probed: int = -1  # the level probed
-    probe: _Window = dataclasses.field(default_factory=_Window)
-    after: _Window = dataclasses.field(default_factory=_Window)
+    probed: int  # the level probed
+    before: list[tuple[float, float]]  # the kept level's last rounds before the probe: (ms, tokens)
+    probe: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    after: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
