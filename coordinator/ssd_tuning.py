@@ -9,19 +9,19 @@ measured throughput.
   share cores (measured on an earlier demo pair with other jobs running on the machine: a
   16-branch build beside Verify doubled the verify's forward time; idle, it adds far less).
   Rather than model that, the coordinator measures what matters, milliseconds per emitted
-  token, at its current budget and now and then at a neighbouring budget level, and keeps the
-  faster one. A probe is judged against its own level measured on both sides of it (before and
-  after), so text that changes under it counts at most half. What it learns is shared by all
-  requests.
+  token, at its current budget and now and then at a neighbouring budget level, and moves
+  when the probed level is clearly faster: measured against its own level on both sides of the
+  probe (text that changes under it counts at most half), and by more than the rounds' scatter
+  says chance would. What it learns is shared by all requests.
 - A request's acceptance starts from the coordinator's recent rounds (all requests), not from
   a fixed guess: the Speculate beside round 0 is sized before anything of the request is
   verified, and with a guess below the pair's acceptance its few branches went to early
   rejections while round 0 accepted everything (traced at K = 8: round 1 missed in most
   requests).
 - A level whose measured build takes longer than the measured verification is not tried
-  again from below (until that measure is old), and is left one level down at once if it is the current one (never down
-  to 0 by this rule): a cache that arrives after the verification puts the draft back on the
-  critical path.
+  again from below (until that measure is old), and is left one level down at once if it is
+  the current one (never down to 0 by this rule): a cache that arrives after the verification
+  puts the draft back on the critical path.
 """
 
 from __future__ import annotations
@@ -98,8 +98,6 @@ class Sizing:
     trial: "_Trial | None" = None  # the probe under way, or being judged by the rounds after it
     recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=_PROBE_ROUNDS))  # (ms, tokens) at the current level
     stay_rounds: int = _STAY_ROUNDS  # rounds at the chosen level before the next probe
-    round_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of a round's ms
-    round_tokens: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of its tokens
     build_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # level -> EMA of the tree build
     builds: int = 0  # builds observed, at any level
     build_seen: dict[int, int] = dataclasses.field(default_factory=dict)  # level -> `builds` at its last build
@@ -150,19 +148,10 @@ class Sizing:
             self.trial = None  # its rounds after the probe were to measure the level just left
             self.recent.clear()
 
-    def ms_per_token(self, level: int) -> float:
-        """A level's cost: average round time over average tokens per round (a ratio of
-        averages: an average of per-round ratios would overweight short, missed rounds)."""
-        if level not in self.round_ms:
-            return math.inf
-        return self.round_ms[level] / max(self.round_tokens[level], 1e-9)
-
     def observe(self, budget: int, round_ms: float, tokens: int) -> None:
         """One round's wall time and emitted tokens, at the budget it speculated with."""
         if tokens <= 0 or budget not in self.levels:
             return
-        self.round_ms[budget] = _ema(self.round_ms.get(budget), round_ms)
-        self.round_tokens[budget] = _ema(self.round_tokens.get(budget), float(tokens))
         self.rounds += 1
         sample = (round_ms, float(tokens))
         at_current = budget == self.levels[self.current]
@@ -213,7 +202,7 @@ class Sizing:
 
         Around it, before and after: text that changes under a probe (a stretch that repeats
         itself drafts twice as many tokens per round) changes the rounds after it too. And
-        beyond chance: over 8 rounds the text alone moves ms per token by tens of percent
+        beyond chance: over a probe's rounds the text alone moves ms per token by tens of percent
         (logged at K = 4, the budget walked 16 -> 0 one noisy probe at a time), far more than
         a few branches more or less do; a level is left for one that is clearly faster."""
         tried, kept = trial.probed, self.levels[self.current]
@@ -239,8 +228,10 @@ class Sizing:
 
 
 def _cost(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """Rounds' ms per token (a ratio of sums, as ms_per_token's) and its standard error (the
-    ratio estimator's: the scatter of ms - cost * tokens); inf, inf without two rounds."""
+    """Rounds' ms per token and its standard error; inf, inf without two rounds.
+
+    A ratio of sums (an average of per-round ratios would overweight short, missed rounds), and
+    the ratio estimator's error: the scatter of ms - cost * tokens over the rounds."""
     if len(samples) < 2:
         return math.inf, math.inf
     total_ms = sum(ms for ms, _ in samples)

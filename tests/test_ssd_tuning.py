@@ -171,14 +171,15 @@ def test_probes_thin_out_once_the_budget_has_settled():
 def test_a_round_after_a_budget_change_does_not_measure_either_budget():
     # Its time belongs to its own budget, its tokens to the previous round's cache.
     sizing = Sizing(max_budget=8)
+    measured = []
+    sizing.observe = lambda budget, round_ms, tokens: measured.append((budget, round_ms, tokens))
     tuning = Tuning(max_k=4, max_budget=8, adaptive=True, sizing=sizing)
     tuning.observe_time(8, 30.0, 5)  # a request's first round: drafted by Propose
-    assert sizing.round_ms == {}
+    assert measured == []
     tuning.observe_time(8, 30.0, 5)
     tuning.observe_time(0, 20.0, 5)  # drafted from the budget-8 cache: measures neither
     tuning.observe_time(0, 20.0, 1)
-    assert sizing.round_ms == {8: 30.0, 0: 20.0} and sizing.round_tokens == {8: 5.0, 0: 1.0}
-    assert sizing.ms_per_token(0) == 20.0 and sizing.ms_per_token(8) == 6.0
+    assert measured == [(8, 30.0, 5), (0, 20.0, 1)]
 
 
 def test_k_shrinks_to_the_depth_whose_build_fits_in_a_verification():
