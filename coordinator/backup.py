@@ -26,10 +26,11 @@ def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> li
 
 def _copy_forward(history: list[int], source: int, num_tokens: int) -> list[int]:
     """num_tokens tokens copied from history[source:], reading on into the copy itself."""
-    extended = list(history)
-    for offset in range(num_tokens):
-        extended.append(extended[source + offset])  # source + offset < len(extended): source < len(history)
-    return extended[len(history) :]
+    copied: list[int] = []
+    for position in range(source, source + num_tokens):
+        # Past the history's end, position reads what this copy put there (source < len(history)).
+        copied.append(history[position] if position < len(history) else copied[position - len(history)])
+    return copied
 
 
 def one_hot(tokens: list[int]) -> list[SparseDist]:

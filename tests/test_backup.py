@@ -5,11 +5,19 @@ The chi-square test runs 100k rounds at alpha = 1e-3 with a fixed seed (determin
 
 from __future__ import annotations
 
+import asyncio
+import types
+
 import scipy.stats
 import torch
 
 from coordinator.backup import one_hot, prompt_lookup
+from coordinator.config import CoordinatorConfig
+from coordinator.rounds import Generation
+from coordinator.ssd_rounds import _draft_without_cache
+from coordinator.ssd_tuning import Tuning
 from specd.sampling import SamplingSettings, logits_to_probs, sparse_to_dense
+from specd.v1 import common_pb2, draft_pb2
 from specd.verify import rejection_sample
 
 ROUNDS = 100_000
@@ -29,6 +37,36 @@ def test_prompt_lookup_runs_a_repeating_stretch_on_past_the_history():
     assert prompt_lookup([7, 7], 3) == [7, 7, 7]
     assert prompt_lookup([5, 1, 2, 3, 1, 2, 3], 5) == [1, 2, 3, 1, 2]
     assert prompt_lookup([4, 9, 8, 4, 9], 4) == [8, 4, 9, 8]  # a match earlier on copies on the same way
+
+
+class _ProposingDraft:
+    """A draft link that answers Propose with fixed tokens and counts the calls."""
+
+    def __init__(self):
+        self.info = types.SimpleNamespace(vocab_size=32)
+        self.proposals = 0
+
+    async def propose(self, session, committed, num_tokens, sampling, max_support, saguaro=None):
+        self.proposals += 1
+        tokens = list(range(20, 20 + num_tokens))
+        dists = [common_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in tokens]
+        return draft_pb2.ProposeResponse(draft_tokens=tokens, draft_probs=dists)
+
+
+def _miss_draft(history: list[int], draft: _ProposingDraft):
+    gen = Generation("s", list(history), SamplingSettings(), "ssd", 3, 8, False, max_len=64)
+    config = CoordinatorConfig(ssd_backup="ngram")
+    tuning = Tuning(max_k=3, max_budget=config.ssd_budget, adaptive=False)
+    return asyncio.run(_draft_without_cache(gen, draft, config, tuning, 3, "ngram"))
+
+
+def test_ngram_backup_guesses_where_the_history_matches_and_proposes_where_it_does_not():
+    draft = _ProposingDraft()
+    guessed = _miss_draft([1, 2, 3, 1, 2], draft)
+    assert (guessed.tokens, guessed.source, draft.proposals) == ([3, 1, 2], "ngram", 0)
+    # No suffix recurs: an empty guess would verify no draft at all, one token for the round.
+    proposed = _miss_draft([1, 2, 3, 4, 5], draft)
+    assert (proposed.tokens, proposed.source, draft.proposals) == ([20, 21, 22], "jit", 1)
 
 
 def test_one_hot_guess_is_exact_at_temperature_one():
