@@ -6,7 +6,7 @@ a context of hundreds (a verify, a tree step), so that copy is a fixed share of 
 GrowingLayer keeps each layer's keys and values in a buffer with spare room, writes new
 entries into it and hands attention a view of the filled part; rolling back only moves the
 fill mark. The arithmetic is unchanged: attention reads the same numbers, so the logits are
-bitwise those of DynamicLayer (tests/test_session_cache.py checks).
+bitwise those of DynamicLayer (tests/test_kv_cache.py checks).
 """
 
 from __future__ import annotations
