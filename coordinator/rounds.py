@@ -44,7 +44,7 @@ class Generation:
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
     index: int
-    mode: str  # what this round ran: ssd, sd or off
+    mode: str  # what this round ran: ssd (it drafted, or the draft speculated beside it), sd or off
     tokens: list[int]  # d_1..d_k, then t*
     logprobs: list[float]
     num_draft: int  # K of this round (0: a plain decode step)
@@ -65,10 +65,12 @@ class RoundResult:
 
 
 def start_target_prefill(gen: Generation, target: TargetLink) -> None:
-    """Start filling the target's cache with the prompt; round 0 awaits it before verifying.
+    """sd and target-only: start filling the target's cache with the prompt; round 0 awaits
+    it before verifying.
 
-    Meanwhile round 0 drafts: its Propose feeds the prompt to the draft and drafts in one call,
-    so the draft's prefill and first draft cost no time beside the target's prefill.
+    Meanwhile sd's round 0 drafts: its Propose feeds the prompt to the draft and drafts in one
+    call, so the draft's prefill and first draft cost no time beside the target's prefill.
+    (ssd's round 0 verifies no draft, so its Verify does the prefill: coordinator/ssd_rounds.py.)
     """
     gen.target_prefill = asyncio.ensure_future(target.prefill(gen.target_session, gen.committed))
 

@@ -109,10 +109,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         try:
-            start_target_prefill(gen, self.target)
             if mode == "ssd":
+                # Round 0's verify is the prompt's prefill; the draft speculates beside it.
                 rounds = ssd_rounds(gen, self.target, self.draft, self.config, self.ssd_sizing)
             else:
+                start_target_prefill(gen, self.target)
                 rounds = sd_rounds(gen, self.target, self.draft)
             async for result in rounds:
                 stats.add(result)

@@ -33,7 +33,7 @@ from typing import AsyncIterator
 
 from coordinator.backup import one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
-from coordinator.rounds import Generation, RoundResult, target_prefilled
+from coordinator.rounds import Generation, RoundResult
 from coordinator.ssd_tuning import Sizing, Tuning
 from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
 from coordinator.workers import DraftFailed, DraftLink, TargetLink
@@ -45,7 +45,7 @@ from specd.wire import sampling_to_proto
 class Drafts:
     tokens: list[int]
     dists: list[SparseDist]
-    source: str  # cache, ahead (a cache hit already sent to the target), propose (round 0), jit or ngram
+    source: str  # cache, ahead (a cache hit already sent to the target), jit or ngram ("" for none)
 
 
 def _saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
@@ -125,6 +125,11 @@ async def ssd_rounds(
 ) -> AsyncIterator[RoundResult]:
     """Speculative speculative decoding; target-only rounds when the draft is off or away.
 
+    Round 0 verifies no draft: its Verify carries the whole prompt, so the target's prefill
+    is that forward and its last position gives the first token, while the draft takes the
+    prompt with round 0's Speculate and builds round 1's cache beside it (a prefill outlasts
+    any tree, so round 1 is a hit sent ahead). A Propose for round 0 would have the target
+    prefill and then verify separately, one more forward and one more trip per request.
     `sizing` carries the budget learned from measured throughput across requests.
     """
     if sizing is None:
@@ -173,10 +178,10 @@ async def ssd_rounds(
                     elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
                         drafts = Drafts(ready.tokens[:num_draft], ready.dists[:num_draft], "cache")
                         hit, draft_wait_ms = True, ready_wait_ms
-                    elif num_draft > 0:
-                        hit = None if index == 0 else False
-                        round_miss = "" if index == 0 else next_miss
-                        backup = "propose" if index == 0 else config.ssd_backup
+                    elif num_draft > 0 and index > 0:  # round 0 drafts nothing: see ssd_rounds
+                        hit = False
+                        round_miss = next_miss
+                        backup = config.ssd_backup
                         started = time.perf_counter()
                         try:
                             drafts = await _draft_without_cache(gen, draft, config, tuning, num_draft, backup)
@@ -185,7 +190,6 @@ async def ssd_rounds(
                             fallback, usable = str(exc), False
                         draft_wait_ms = ready_wait_ms + (time.perf_counter() - started) * 1000.0
 
-                    await target_prefilled(gen)
                     verify_task = asyncio.ensure_future(
                         target.verify(gen.target_session, gen.committed, drafts.tokens, drafts.dists, gen.sampling, gen.return_logprobs)
                     )
@@ -239,7 +243,7 @@ async def ssd_rounds(
                     speculator.discard()
                 result = RoundResult(
                     index=index,
-                    mode="ssd" if drafts.tokens else "off",
+                    mode="ssd" if drafts.tokens or (speculation is not None and not fallback) else "off",
                     tokens=tokens,
                     logprobs=list(verify.logprobs),
                     num_draft=len(drafts.tokens),

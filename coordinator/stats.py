@@ -1,6 +1,7 @@
 """Per-request speculation statistics, counted the standard way.
 
-rounds = target forwards after prefill; acceptance_rate = accepted / draft tokens;
+rounds = target verify forwards after the prompt's prefill (ssd's round 0 verify is
+that prefill); acceptance_rate = accepted / draft tokens;
 mean acceptance length = 1 + accepted / rounds.
 """
 
@@ -18,7 +19,8 @@ class RequestStats:
     requested_mode: str
     seed: int
     rounds: int = 0
-    speculative_rounds: int = 0
+    speculative_rounds: int = 0  # rounds that verified a draft
+    ran_speculation: bool = False  # a round drafted, or (ssd) had the draft speculating beside it
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
@@ -40,6 +42,8 @@ class RequestStats:
         self.speculated_early += result.speculated_early
         if result.num_draft:
             self.speculative_rounds += 1
+        if result.mode != "off":
+            self.ran_speculation = True
         if len(self.accepted_per_position) < result.accepted:
             self.accepted_per_position.extend([0] * (result.accepted - len(self.accepted_per_position)))
         for position in range(result.accepted):
@@ -55,7 +59,7 @@ class RequestStats:
     @property
     def mode(self) -> str:
         """The mode that ran: the one asked for if any round speculated, else target-only."""
-        return self.requested_mode if self.speculative_rounds else "off"
+        return self.requested_mode if self.ran_speculation else "off"
 
     def to_proto(self) -> coordinator_pb2.SpeculationStats:
         lookups = self.cache_hits + self.cache_misses

@@ -42,7 +42,7 @@ def test_greedy_sd_and_ssd_equal_the_target(architecture, tmp_path):
                 "miss": coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{miss_service.port}")),
             }
             hits = 0
-            accepted = {}  # per mode on the hit stack: greedy ssd drafts what sd drafts, round by round
+            accepted = {"ssd": 0, "sd after round 0": 0}
             for text in PROMPTS:
                 ids = tokenizer.encode(text, add_special_tokens=True)
                 want = greedy_reference(model, ids, MAX_NEW)
@@ -50,12 +50,18 @@ def test_greedy_sd_and_ssd_equal_the_target(architecture, tmp_path):
                     response = stubs[name].Generate(request(ids, mode=mode, k=4, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
                     assert response.stats.mode == mode, response.stats.fallback_reason
                     assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want)
-                    if name == "hit":
-                        accepted[mode] = accepted.get(mode, 0) + response.stats.accepted_tokens
-                        hits += response.stats.cache_hits if mode == pb.SPECULATION_MODE_SSD else 0
+                    if name == "hit" and mode == pb.SPECULATION_MODE_SSD:
+                        accepted["ssd"] += response.stats.accepted_tokens
+                        hits += response.stats.cache_hits
+                # ssd's round 0 drafts nothing and commits the first token; from there every
+                # round drafts what sd's Propose drafts after the same tokens.
+                after_round_0 = stubs["hit"].Generate(
+                    request(ids + want[:1], mode=pb.SPECULATION_MODE_SD, k=4, max_new_tokens=MAX_NEW - 1), timeout=CALL_TIMEOUT_S
+                )
+                accepted["sd after round 0"] += after_round_0.stats.accepted_tokens
             assert hits > 0, "the hit path never ran"
             # A cache entry is the Propose it stands for, so the same drafts are accepted.
-            assert accepted[pb.SPECULATION_MODE_SSD] == accepted[pb.SPECULATION_MODE_SD]
+            assert accepted["ssd"] == accepted["sd after round 0"]
         finally:
             if miss_service is not None:
                 stack.run(miss_service.stop(0), timeout=10)

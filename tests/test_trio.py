@@ -84,10 +84,10 @@ def test_greedy_equals_target_alone(stub, reference, mode, k):
             assert response.stats.rounds == MAX_NEW and response.stats.draft_tokens == 0
 
 
-@pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_SSD], ids=["sd", "ssd"])
-def test_first_draft_is_made_while_the_target_prefills(stack, stub, reference, mode, monkeypatch):
-    """Round 0's Propose feeds the prompt to the draft and drafts while the target's prefill
-    is held on its model thread; no separate draft Prefill is sent."""
+def test_first_draft_is_made_while_the_target_prefills(stack, stub, reference, monkeypatch):
+    """sd: round 0's Propose feeds the prompt to the draft and drafts while the target's
+    prefill is held on its model thread; no separate draft Prefill is sent."""
+    mode = pb.SPECULATION_MODE_SD
     model, _, prompts, greedy = reference
     text = PROMPTS[2]
     draft_runner = stack.draft.servicer.runner
@@ -108,6 +108,48 @@ def test_first_draft_is_made_while_the_target_prefills(stack, stub, reference, m
     response = future.result()
     assert "prefill" not in calls
     assert response.stats.mode == mode and not response.stats.fallback_reason
+    assert_greedy_equal_or_near_tie(model, prompts[text], list(response.token_ids), greedy[text])
+
+
+def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(stack, stub, reference, monkeypatch):
+    """ssd: the first Verify carries the whole prompt and no draft (no target Prefill); while
+    it is held on the target's model thread the draft takes the prompt with a Speculate, not
+    a Propose or a Prefill."""
+    model, _, prompts, greedy = reference
+    text = PROMPTS[5]
+    draft_runner = stack.draft.servicer.runner
+    target_runner = stack.target.servicer.runner
+    calls: list[str] = []
+    for name in ("prefill", "propose", "speculate"):
+        original = getattr(draft_runner, name)
+        monkeypatch.setattr(draft_runner, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
+    target_prefills: list[int] = []
+    original_prefill = target_runner.prefill
+    monkeypatch.setattr(target_runner, "prefill", lambda *a, **kw: target_prefills.append(1) or original_prefill(*a, **kw))
+    verifies: list[tuple[int, list[int], list[int]]] = []  # (start, tokens, draft tokens)
+    original_verify = target_runner.verify
+    monkeypatch.setattr(
+        target_runner, "verify",
+        lambda session, start, tokens, draft_tokens, *a, **kw: verifies.append((start, list(tokens), list(draft_tokens)))
+        or original_verify(session, start, tokens, draft_tokens, *a, **kw),
+    )
+    gate = RunnerGate(target_runner, "verify")
+    try:
+        future = stub.Generate.future(
+            request(prompts[text], mode=pb.SPECULATION_MODE_SSD, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S
+        )
+        assert gate.held.wait(CALL_TIMEOUT_S), "the first verify never ran"
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls[:1] == ["speculate"], f"draft calls while the target prefilled: {calls}"
+    finally:
+        gate.release()
+    response = future.result()
+    assert verifies[0] == (0, prompts[text], [])
+    assert not target_prefills and "prefill" not in calls
+    assert response.stats.mode == pb.SPECULATION_MODE_SSD and not response.stats.fallback_reason
+    assert response.stats.draft_tokens > 0
     assert_greedy_equal_or_near_tie(model, prompts[text], list(response.token_ids), greedy[text])
 
 

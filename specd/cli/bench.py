@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     per_round = [f"{mode} {m['ms_per_round']:.2f} ms (verify forward {m['verify_ms_per_round']:.2f} ms)"
                  for mode, m in summary["modes"].items() if m.get("ms_per_round")]
     if per_round:
-        print("per round in the stack, prefill included: " + ", ".join(per_round))
+        print("per round in the stack, prefill included: " + ", ".join(per_round)
+              + (" (ssd's verify forwards include its round 0's, which is the prompt's prefill)" if "ssd" in summary["modes"] else ""))
     if "tracing" in summary:
         t = summary["tracing"]
         print(f"tracing (ssd tok/s): disabled {t['disabled_tokens_per_s']:.1f}, no exporter "
