@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 
+from coordinator.config import CoordinatorConfig
 from specd.demo import DEMO_DRAFT, DEMO_TARGET, MODELS_DIR
 
 DEFAULT_PROMPTS = MODELS_DIR / "bench_prompts.json"
@@ -25,7 +26,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSON list of prompt strings")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts taken from the file")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=CoordinatorConfig.num_speculative_tokens,
+                        help="K, draft tokens per round (default %(default)s, the coordinator's default)")
     parser.add_argument("--repeats", type=int, default=3, help="passes over all prompts, each prompt through every mode in turn")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=True,
