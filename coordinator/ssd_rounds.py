@@ -210,6 +210,9 @@ async def ssd_rounds(
 
                 # LOOK UP: round T+1's draft from the cache, if the build finishes in time.
                 speculate_ms = 0.0
+                # Round 0's verify is the prompt's prefill and its tree starts with the draft's:
+                # neither says what a round's build and verification cost.
+                sizes_builds = index > 0
                 if speculation is not None:
                     waited = time.perf_counter()
                     cache = await _collect(speculation, (accepted, next_token), config, verify.forward_ms)
@@ -219,10 +222,11 @@ async def ssd_rounds(
                         fallback = str(cache)
                     elif cache is None:  # gave up waiting: the build outlasts the verification
                         waited_ms = (time.perf_counter() - speculation.started) * 1000.0
-                        tuning.observe_build(round_budget, waited_ms, verify.forward_ms, speculation.num_tokens + 1)
+                        if sizes_builds:
+                            tuning.observe_build(round_budget, waited_ms, verify.forward_ms, speculation.num_tokens + 1)
                     elif cache is not _KNOWN_MISS:
                         speculate_ms = cache.forward_ms
-                        if cache.entries:
+                        if cache.entries and sizes_builds:
                             tuning.observe_build(round_budget, speculate_ms, verify.forward_ms, speculation.num_tokens + 1)
                         ready = _entry_for(cache, (accepted, next_token))
                 tokens = drafts.tokens[:accepted] + [next_token]

@@ -1,7 +1,7 @@
 """Per-request speculation statistics, counted the standard way.
 
-rounds = target verify forwards after the prompt's prefill (ssd's round 0 verify is
-that prefill); acceptance_rate = accepted / draft tokens;
+rounds = the target's verify forwards (in ssd the first is also the prompt's prefill);
+acceptance_rate = accepted / draft tokens;
 mean acceptance length = 1 + accepted / rounds.
 """
 

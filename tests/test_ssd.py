@@ -172,3 +172,28 @@ def test_ssd_survives_the_draft_going_away_and_coming_back(tiny_pair, reference)
         back = stub.Generate(message, timeout=CALL_TIMEOUT_S)
         assert back.stats.mode == SSD and back.stats.cache_hits > 0
         assert_greedy_equal_or_near_tie(model, prompts[text], list(back.token_ids), greedy[text])
+
+
+def test_round_zero_prefill_does_not_size_the_tree(tiny_pair, reference):
+    """Round 0's verify is the prompt's prefill: its forward time is no verification's, so the
+    depth and budget a build must fit within are measured from the rounds after it."""
+    import dataclasses
+
+    model, prompts, greedy = reference
+    text = PROMPTS[0]
+    prefill_ms = 100_000.0  # said by the target for every verify from position 0: the prefill
+    with running_stack(*tiny_pair, coordinator_overrides=dict(ssd_adaptive=True, ssd_backup="jit")) as stack:
+        runner = stack.target.servicer.runner
+        original = runner.verify
+
+        def prefill_said_slow(session_id, start, *args, **kwargs):
+            outcome = original(session_id, start, *args, **kwargs)
+            return dataclasses.replace(outcome, forward_ms=outcome.forward_ms + prefill_ms) if start == 0 else outcome
+
+        runner.verify = prefill_said_slow
+        response = stack.stub().Generate(request(prompts[text], mode=SSD, k=4, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
+        sizing = stack.coordinator.servicer.ssd_sizing
+        assert response.stats.mode == SSD and response.stats.rounds > 1
+        assert_greedy_equal_or_near_tie(model, prompts[text], list(response.token_ids), greedy[text])
+        assert sizing.verify_ms is not None, "no build was measured"
+        assert sizing.verify_ms < 1000.0, sizing.verify_ms
