@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specd.config import ConfigError, setting
+from specd.cpus import check_cpus
 
 MODES = ("auto", "ssd", "sd", "off")
 SSD_BACKUPS = ("jit", "ngram")
@@ -20,6 +21,7 @@ class CoordinatorConfig:
     draft_address: str = setting("localhost:50053", "draft worker HOST:PORT (empty: target-only)")
     tokenizer: str = setting("", "tokenizer folder or hub id (empty: the target worker's model)")
     default_mode: str = setting("auto", "speculation mode when a request says auto", choices=MODES)
+    cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     # 6 measured best on the demo pair (docs/ssd.md, "Choosing K"): K = 4 left ssd 1.2x slower,
     # while at K >= 7 the draft's tree (K + 1 draft forwards in a row) outgrew the verification.
     num_speculative_tokens: int = setting(6, "K: draft tokens per round when a request does not say")
@@ -54,6 +56,7 @@ class CoordinatorConfig:
     def validate(self) -> None:
         if not self.target_address:
             raise ConfigError("--target-address is empty: give the target worker's HOST:PORT")
+        check_cpus(self.cpus)
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"--num-speculative-tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}]")
         if self.max_support < 1:

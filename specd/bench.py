@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -101,14 +102,29 @@ class HFAssisted:
         run.tokens += len(new)
         run.outputs.append(new)
 
-    def verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int = 5) -> list[float]:
+    def verify_times_ms(
+        self, prompts: list[str], k: int, context_extra: int, repeats: int = 5, cpus: frozenset[int] | None = None
+    ) -> list[float]:
         """Times of one target forward over K+1 tokens with the KV cache in use, `repeats`
         per prompt, at the prompt's length plus `context_extra` tokens of context: the middle
-        of a generation, where a verify in the stack runs on average."""
+        of a generation, where a verify in the stack runs on average. With `cpus`, on those
+        CPUs, as the stack's target worker runs (`specd up` pins it)."""
+        import torch
+
+        torch.set_num_threads(self.worker_threads)
+        allowed = os.sched_getaffinity(0)
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # this thread: with one torch thread (the default) it runs the forward
+        try:
+            return self._verify_times_ms(prompts, k, context_extra, repeats)
+        finally:
+            if cpus:
+                os.sched_setaffinity(0, allowed)
+
+    def _verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int) -> list[float]:
         import torch
         from specd.kv_cache import SessionKVCache
 
-        torch.set_num_threads(self.worker_threads)
         times = []
         with torch.inference_mode():
             for prompt in prompts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specd.config import ConfigError, setting
+from specd.cpus import check_cpus
 from specd.models import DTYPES
 
 
@@ -17,12 +18,14 @@ class WorkerConfig:
     dtype: str = setting("float32", "weights dtype", choices=tuple(DTYPES))
     device: str = setting("auto", "torch device: auto, cpu, cuda, cuda:N")
     threads: int = setting(0, "torch intra-op threads (0 keeps torch's default)")
+    cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
 
     def validate(self) -> None:
         if not self.model:
             raise ConfigError("--model is empty: give a model folder or hub id")
+        check_cpus(self.cpus)
         if self.max_sessions < 1:
             raise ConfigError("--max-sessions must be >= 1")
         if self.session_idle_timeout_s <= 0:

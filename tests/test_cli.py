@@ -85,6 +85,7 @@ def test_up_prints_one_address_line_and_stops_everything(tiny_pair, tmp_path):
         assert len(json.loads(result.stdout)["token_ids"]) >= 1
         children = _children(up.pid)
         assert len(children) == 3
+        _assert_pinned_as_specd_up_lays_out(children)
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=60)
@@ -95,6 +96,21 @@ def test_up_prints_one_address_line_and_stops_everything(tiny_pair, tmp_path):
     while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in children)
+
+
+def _assert_pinned_as_specd_up_lays_out(children: list[int]) -> None:
+    """With a CPU to spare, every thread of the target on the first CPU, the others' elsewhere."""
+    available = sorted(os.sched_getaffinity(0))
+    for pid in children:
+        role = open(f"/proc/{pid}/cmdline").read().split("\0")[4]  # python -m specd serve ROLE
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        affinities = {frozenset(os.sched_getaffinity(t)) for t in threads}
+        if len(available) < 2:
+            assert affinities == {frozenset(available)}, role
+        elif role == "target":
+            assert affinities == {frozenset(available[:1])}, role
+        else:
+            assert affinities == {frozenset(available[1:])}, role
 
 
 def _children(pid: int) -> list[int]:

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from coordinator.config import CoordinatorConfig
+from specd.cpus import format_cpu_list, local_layout
 from specd.demo import DEMO_DRAFT, DEMO_TARGET, MODELS_DIR
 
 DEFAULT_PROMPTS = MODELS_DIR / "bench_prompts.json"
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"specd bench: starting a stack for {name} ...", file=sys.stderr, flush=True)
                 stack, traced_addresses[name] = start_stack(args, env)
                 stacks.append(stack)
+        # The limit's verify forward is timed where the stack's target runs (specd up pins it).
+        target_cpus = None if args.address else local_layout(os.sched_getaffinity(0), args.threads).get("target")
         # The in-process baseline gets the threads the two workers have together.
         hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads)
         verify_times: list[float] = []  # taken in every pass, under the load the modes see
@@ -101,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             # Prompt by prompt through every mode, in an order that turns with the prompt: the
             # modes' times for a prompt lie seconds apart, so the machine's drift hits all alike.
             for index, prompt in enumerate(prompts):
-                verify_times += hf.verify_times_ms([prompt], args.num_speculative_tokens, args.max_new_tokens // 2)
+                verify_times += hf.verify_times_ms([prompt], args.num_speculative_tokens, args.max_new_tokens // 2,
+                                                   cpus=target_cpus)
                 order = list(runs)
                 for mode in order[index % len(order):] + order[: index % len(order)]:
                     if mode == "hf_assisted":
@@ -141,10 +145,12 @@ def run(args: argparse.Namespace) -> int:
             "target": args.target, "draft": args.draft, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": args.num_speculative_tokens,
             "repeats": args.repeats, "threads_per_worker": args.threads, "temperature": 0.0,
+            "target_cpus": format_cpu_list(target_cpus) if target_cpus else "",
         },
     )
     print(bench.format_table(summary))
-    print(f"verify forward (K+1={args.num_speculative_tokens + 1} tokens, in-process, prompt + "
+    where = f"on CPU {format_cpu_list(target_cpus)} as the stack's target, " if target_cpus else ""
+    print(f"verify forward (K+1={args.num_speculative_tokens + 1} tokens, in-process, {where}prompt + "
           f"{args.max_new_tokens // 2} tokens of context, median of {len(verify_times)} over the passes): {verify_ms:.2f} ms")
     if limit:
         print(f"ssd limit = sd tokens/round {sd_tokens_per_round:.2f} / verify {verify_ms:.2f} ms = {limit:.1f} tok/s")

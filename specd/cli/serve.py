@@ -8,6 +8,7 @@ import logging
 import sys
 
 from specd.config import ConfigError, add_arguments, from_namespace
+from specd.cpus import pin_process
 
 ROLES = {
     "target": ("target_service.config", "TargetConfig", "target_service.server"),
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"specd serve {args.role}: {exc}", file=sys.stderr)
         return 2
+    pin_process(config.cpus)  # before the server starts its threads; they inherit it
     server_module = importlib.import_module(ROLES[args.role][2])
     try:
         asyncio.run(server_module.serve(config))

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 
+from specd.cpus import format_cpu_list, local_layout
 from specd.demo import DEMO_DRAFT, DEMO_TARGET
 
 DEFAULT_COORDINATOR_PORT = 50051
@@ -34,6 +35,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default="auto", help="torch device of both workers")
     parser.add_argument("--dtype", default="float32", help="weights dtype of both workers")
     parser.add_argument("--target-tensor-parallel", type=int, default=1, help="ranks of the tensor-parallel target")
+    parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the target on CPUs of its own and the draft and coordinator on the rest, "
+                             "where the machine has a CPU to spare (docs/ssd.md, CPU pinning)")
     parser.add_argument("--log-dir", default="", help="where the services' logs go (default: a new temporary folder)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to serve")
     parser.set_defaults(run=run)
@@ -72,6 +76,18 @@ def wait_serving(address: str, process: subprocess.Popen, name: str, log_path: p
             time.sleep(0.3)
 
 
+def cpu_layout(args: argparse.Namespace) -> dict:
+    """Where the services run (role -> CPUs; {} for anywhere): the target's threads times its
+    ranks on CPUs of their own, the rest beside; only with threads set and a CPU to spare."""
+    if args.threads < 1:
+        return {}
+    return local_layout(os.sched_getaffinity(0), args.threads * args.target_tensor_parallel)
+
+
+def _cpu_words(cpus) -> str:
+    return ("CPU " if len(cpus) == 1 else "CPUs ") + format_cpu_list(cpus)
+
+
 def run(args: argparse.Namespace) -> int:
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="specd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -91,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.draft:
         commands["draft"] = ["draft", "--model", args.draft, "--port", str(ports["draft"]), *worker_flags]
+    layout = cpu_layout(args) if args.pin_cpus else {}
+    for name, cpus in layout.items():
+        if name in commands:
+            commands[name] += ["--cpus", format_cpu_list(cpus)]
     processes: dict[str, subprocess.Popen] = {}
 
     def stop(*_):
@@ -99,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print(f"specd up: logs in {log_dir}", file=sys.stderr, flush=True)
+    if layout:
+        print(f"specd up: target pinned to {_cpu_words(layout['target'])}, draft and coordinator to "
+              f"{_cpu_words(layout['coordinator'])}", file=sys.stderr, flush=True)
     try:
         deadline = time.monotonic() + args.startup_timeout
 
