@@ -22,9 +22,9 @@ class CoordinatorConfig:
     tokenizer: str = setting("", "tokenizer folder or hub id (empty: the target worker's model)")
     default_mode: str = setting("auto", "speculation mode when a request says auto", choices=MODES)
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
-    # 6 measured best on the demo pair (docs/ssd.md, "Choosing K"): K = 4 left ssd 1.2x slower,
-    # while at K >= 7 the draft's tree (K + 1 draft forwards in a row) outgrew the verification.
-    num_speculative_tokens: int = setting(6, "K: draft tokens per round when a request does not say")
+    # 8 from the demo pair (docs/ssd.md, "Choosing K"): with the target on a core of its own
+    # the tree still mostly fits beside the verification there, and ssd runs 1.09x K = 6's speed.
+    num_speculative_tokens: int = setting(8, "K: draft tokens per round when a request does not say")
     max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
     default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
