@@ -91,19 +91,12 @@ def test_first_draft_is_made_while_the_target_prefills(stack, stub, reference, m
     mode = pb.SPECULATION_MODE_SD
     model, _, prompts, greedy = reference
     text = PROMPTS[2]
-    draft_runner = stack.draft.servicer.runner
-    calls: list[str] = []
-    for name in ("prefill", "propose"):
-        original = getattr(draft_runner, name)
-        monkeypatch.setattr(draft_runner, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
+    calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose"))
     gate = RunnerGate(stack.target.servicer.runner, "prefill")
     try:
         future = stub.Generate.future(request(prompts[text], mode=mode, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
-        assert gate.held.wait(CALL_TIMEOUT_S), "the target's prefill never ran"
-        deadline = time.monotonic() + CALL_TIMEOUT_S
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert calls[:1] == ["propose"], f"draft calls while the target prefilled: {calls}"
+        first = _first_call_while_held(gate, calls, "target's prefill")
+        assert first == "propose", f"draft calls while the target prefilled: {calls}"
     finally:
         gate.release()
     response = future.result()
@@ -118,15 +111,9 @@ def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(
     a Propose or a Prefill."""
     model, _, prompts, greedy = reference
     text = PROMPTS[5]
-    draft_runner = stack.draft.servicer.runner
     target_runner = stack.target.servicer.runner
-    calls: list[str] = []
-    for name in ("prefill", "propose", "speculate"):
-        original = getattr(draft_runner, name)
-        monkeypatch.setattr(draft_runner, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
-    target_prefills: list[int] = []
-    original_prefill = target_runner.prefill
-    monkeypatch.setattr(target_runner, "prefill", lambda *a, **kw: target_prefills.append(1) or original_prefill(*a, **kw))
+    calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose", "speculate"))
+    target_prefills = _record_calls(monkeypatch, target_runner, ("prefill",))
     verifies: list[tuple[int, list[int], list[int]]] = []  # (start, tokens, draft tokens)
     original_verify = target_runner.verify
     monkeypatch.setattr(
@@ -139,11 +126,8 @@ def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(
         future = stub.Generate.future(
             request(prompts[text], mode=pb.SPECULATION_MODE_SSD, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S
         )
-        assert gate.held.wait(CALL_TIMEOUT_S), "the first verify never ran"
-        deadline = time.monotonic() + CALL_TIMEOUT_S
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert calls[:1] == ["speculate"], f"draft calls while the target prefilled: {calls}"
+        first = _first_call_while_held(gate, calls, "first verify")
+        assert first == "speculate", f"draft calls while the target prefilled: {calls}"
     finally:
         gate.release()
     response = future.result()
@@ -152,6 +136,24 @@ def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(
     assert response.stats.mode == pb.SPECULATION_MODE_SSD and not response.stats.fallback_reason
     assert response.stats.draft_tokens > 0
     assert_greedy_equal_or_near_tie(model, prompts[text], list(response.token_ids), greedy[text])
+
+
+def _record_calls(monkeypatch, runner, names) -> list[str]:
+    """The list that `runner`'s methods among `names` append their name to when called."""
+    calls: list[str] = []
+    for name in names:
+        original = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))
+    return calls
+
+
+def _first_call_while_held(gate: RunnerGate, calls: list[str], what: str) -> str:
+    """Once `gate` holds its call, the first name `calls` records ("" if none comes)."""
+    assert gate.held.wait(CALL_TIMEOUT_S), f"the {what} never ran"
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return calls[0] if calls else ""
 
 
 def test_text_prompt_equals_token_prompt(stub, reference):
