@@ -112,14 +112,14 @@ class HFAssisted:
         import torch
 
         torch.set_num_threads(self.worker_threads)
+        if not cpus:
+            return self._verify_times_ms(prompts, k, context_extra, repeats)
         allowed = os.sched_getaffinity(0)
-        if cpus:
-            os.sched_setaffinity(0, cpus)  # this thread: with one torch thread (the default) it runs the forward
+        os.sched_setaffinity(0, cpus)  # this thread: with one torch thread (the default) it runs the forward
         try:
             return self._verify_times_ms(prompts, k, context_extra, repeats)
         finally:
-            if cpus:
-                os.sched_setaffinity(0, allowed)
+            os.sched_setaffinity(0, allowed)
 
     def _verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int) -> list[float]:
         import torch

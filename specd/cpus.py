@@ -42,12 +42,23 @@ def format_cpu_list(cpus) -> str:
     return ",".join(parts)
 
 
+def available_cpus() -> frozenset[int]:
+    """The CPUs this process may run on; empty where the OS offers no affinity (not Linux)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return frozenset()
+    return frozenset(os.sched_getaffinity(0))
+
+
 def check_cpus(text: str) -> None:
     """A `--cpus` setting that names CPUs this process may run on; ConfigError otherwise."""
     cpus = parse_cpu_list(text)
-    if text.strip() and not cpus:
+    if not text.strip():
+        return
+    if not cpus:
         raise ConfigError(f"--cpus {text!r} names no CPU")
-    unavailable = cpus - os.sched_getaffinity(0)
+    if not available_cpus():
+        raise ConfigError("--cpus needs an OS with CPU affinity (Linux)")
+    unavailable = cpus - available_cpus()
     if unavailable:
         raise ConfigError(f"--cpus {text!r}: CPUs {format_cpu_list(unavailable)} are not available here")
 

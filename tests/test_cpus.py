@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from specd.config import ConfigError
-from specd.cpus import check_cpus, format_cpu_list, local_layout, parse_cpu_list
+from specd.cpus import available_cpus, check_cpus, format_cpu_list, local_layout, parse_cpu_list
 
 
 def test_cpu_lists_parse_and_format_both_ways():
@@ -29,6 +29,7 @@ def test_a_bad_cpu_list_is_a_config_error(text):
 
 
 def test_cpus_the_process_may_not_use_are_refused():
+    assert available_cpus() == frozenset(os.sched_getaffinity(0))
     check_cpus("")
     check_cpus(format_cpu_list(os.sched_getaffinity(0)))
     with pytest.raises(ConfigError, match="not available"):

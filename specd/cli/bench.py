@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 from coordinator.config import CoordinatorConfig
-from specd.cpus import format_cpu_list, local_layout
+from specd.cpus import available_cpus, format_cpu_list, local_layout
 from specd.demo import DEMO_DRAFT, DEMO_TARGET, MODELS_DIR
 
 DEFAULT_PROMPTS = MODELS_DIR / "bench_prompts.json"
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 stack, traced_addresses[name] = start_stack(args, env)
                 stacks.append(stack)
         # The limit's verify forward is timed where the stack's target runs (specd up pins it).
-        target_cpus = None if args.address else local_layout(os.sched_getaffinity(0), args.threads).get("target")
+        target_cpus = None if args.address else local_layout(available_cpus(), args.threads).get("target")
         # The in-process baseline gets the threads the two workers have together.
         hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads)
         verify_times: list[float] = []  # taken in every pass, under the load the modes see

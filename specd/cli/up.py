@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from specd.cpus import format_cpu_list, local_layout
+from specd.cpus import available_cpus, format_cpu_list, local_layout
 from specd.demo import DEMO_DRAFT, DEMO_TARGET
 
 DEFAULT_COORDINATOR_PORT = 50051
@@ -81,7 +81,7 @@ def cpu_layout(args: argparse.Namespace) -> dict:
     ranks on CPUs of their own, the rest beside; only with threads set and a CPU to spare."""
     if args.threads < 1:
         return {}
-    return local_layout(os.sched_getaffinity(0), args.threads * args.target_tensor_parallel)
+    return local_layout(available_cpus(), args.threads * args.target_tensor_parallel)
 
 
 def _cpu_words(cpus) -> str:
