@@ -86,3 +86,14 @@ def local_layout(available, target_cpus: int) -> dict[str, frozenset[int]]:
         return {}
     rest = frozenset(ordered[target_cpus:])
     return {"target": frozenset(ordered[:target_cpus]), "draft": rest, "coordinator": rest}
+
+
+def stack_layout(threads: int, target_ranks: int = 1) -> dict[str, frozenset[int]]:
+    """`specd up`'s layout here: local_layout over the CPUs this process may use, the target
+    taking its threads times its ranks ({} with threads 0, torch's own count)."""
+    return local_layout(available_cpus(), threads * target_ranks)
+
+
+def describe_cpus(cpus) -> str:
+    """`CPU 0`, `CPUs 1-3`: for messages."""
+    return ("CPU " if len(cpus) == 1 else "CPUs ") + format_cpu_list(cpus)

@@ -9,7 +9,15 @@ import sys
 import pytest
 
 from specd.config import ConfigError
-from specd.cpus import available_cpus, check_cpus, format_cpu_list, local_layout, parse_cpu_list
+from specd.cpus import (
+    available_cpus,
+    check_cpus,
+    describe_cpus,
+    format_cpu_list,
+    local_layout,
+    parse_cpu_list,
+    stack_layout,
+)
 
 
 def test_cpu_lists_parse_and_format_both_ways():
@@ -42,6 +50,8 @@ def test_specd_up_gives_the_target_cpus_of_its_own_only_with_one_to_spare():
     assert local_layout({0, 1}, 2) == {}  # the target's threads take every CPU
     assert local_layout({0}, 1) == {}
     assert local_layout({0, 1, 2}, 0) == {}
+    assert stack_layout(0) == {}  # torch's own thread count: nothing to lay out
+    assert (describe_cpus({0}), describe_cpus({1, 2, 3})) == ("CPU 0", "CPUs 1-3")
 
 
 def test_pin_process_moves_the_threads_there_and_those_started_later():

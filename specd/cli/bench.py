@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 from coordinator.config import CoordinatorConfig
-from specd.cpus import available_cpus, format_cpu_list, local_layout
+from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.demo import DEMO_DRAFT, DEMO_TARGET, MODELS_DIR
 
 DEFAULT_PROMPTS = MODELS_DIR / "bench_prompts.json"
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 stack, traced_addresses[name] = start_stack(args, env)
                 stacks.append(stack)
         # The limit's verify forward is timed where the stack's target runs (specd up pins it).
-        target_cpus = None if args.address else local_layout(available_cpus(), args.threads).get("target")
+        target_cpus = None if args.address else stack_layout(args.threads).get("target")
         # The in-process baseline gets the threads the two workers have together.
         hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads)
         verify_times: list[float] = []  # taken in every pass, under the load the modes see
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     print(bench.format_table(summary))
-    where = f"on CPU {format_cpu_list(target_cpus)} as the stack's target, " if target_cpus else ""
+    where = f"on {describe_cpus(target_cpus)} as the stack's target, " if target_cpus else ""
     print(f"verify forward (K+1={args.num_speculative_tokens + 1} tokens, in-process, {where}prompt + "
           f"{args.max_new_tokens // 2} tokens of context, median of {len(verify_times)} over the passes): {verify_ms:.2f} ms")
     if limit:

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from specd.cpus import available_cpus, format_cpu_list, local_layout
+from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.demo import DEMO_DRAFT, DEMO_TARGET
 
 DEFAULT_COORDINATOR_PORT = 50051
@@ -76,18 +76,6 @@ def wait_serving(address: str, process: subprocess.Popen, name: str, log_path: p
             time.sleep(0.3)
 
 
-def cpu_layout(args: argparse.Namespace) -> dict:
-    """Where the services run (role -> CPUs; {} for anywhere): the target's threads times its
-    ranks on CPUs of their own, the rest beside; only with threads set and a CPU to spare."""
-    if args.threads < 1:
-        return {}
-    return local_layout(available_cpus(), args.threads * args.target_tensor_parallel)
-
-
-def _cpu_words(cpus) -> str:
-    return ("CPU " if len(cpus) == 1 else "CPUs ") + format_cpu_list(cpus)
-
-
 def run(args: argparse.Namespace) -> int:
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="specd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.draft:
         commands["draft"] = ["draft", "--model", args.draft, "--port", str(ports["draft"]), *worker_flags]
-    layout = cpu_layout(args) if args.pin_cpus else {}
+    layout = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
     for name, cpus in layout.items():
         if name in commands:
             commands[name] += ["--cpus", format_cpu_list(cpus)]
@@ -120,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     print(f"specd up: logs in {log_dir}", file=sys.stderr, flush=True)
     if layout:
-        print(f"specd up: target pinned to {_cpu_words(layout['target'])}, draft and coordinator to "
-              f"{_cpu_words(layout['coordinator'])}", file=sys.stderr, flush=True)
+        print(f"specd up: target pinned to {describe_cpus(layout['target'])}, draft and coordinator to "
+              f"{describe_cpus(layout['coordinator'])}", file=sys.stderr, flush=True)
     try:
         deadline = time.monotonic() + args.startup_timeout
 
