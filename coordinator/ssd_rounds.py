@@ -277,7 +277,7 @@ async def ssd_rounds(
 async def _draft_without_cache(
     gen: Generation, draft: DraftLink, config: CoordinatorConfig, tuning: Tuning, num_draft: int, backup: str
 ) -> Drafts:
-    """Round 0's draft, or a miss's: a prompt-lookup guess (`ngram`) or a Propose call.
+    """A miss's draft: a prompt-lookup guess (`ngram`) or a Propose call (`jit`).
 
     A lookup that finds no match would leave the round no draft at all, one token for a whole
     verification: the draft proposes instead (source `jit`).

@@ -14,10 +14,10 @@ measured throughput.
   probe (text that changes under it counts at most half), and by more than the rounds' scatter
   says chance would. What it learns is shared by all requests.
 - A request's acceptance starts from the coordinator's recent rounds (all requests), not from
-  a fixed guess: the Speculate beside round 0 is sized before anything of the request is
-  verified, and with a guess below the pair's acceptance its few branches went to early
-  rejections while round 0 accepted everything (traced at K = 8: round 1 missed in most
-  requests).
+  a fixed guess: the first rounds' K and the fan-out of the trees beside them are sized before
+  anything of the request is verified, and with a guess below the pair's acceptance the few
+  branches went to early rejections while everything was accepted (traced at K = 8, when round
+  0 still drafted: round 1 missed in most requests).
 - A level whose measured build takes longer than the measured verification is not tried
   again from below (until that measure is old), and is left one level down at once if it is
   the current one (never down to 0 by this rule): a cache that arrives after the verification
@@ -64,11 +64,12 @@ class Acceptance:
     (accepted tokens over accepted tokens plus rejections)."""
 
     decay: float
-    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
-    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+    accepted: float  # decayed sum of accepted tokens
+    rejected: float  # decayed count of rejections
 
     @classmethod
     def starting_at(cls, rate: float, decay: float) -> "Acceptance":
+        """A prior of `rate`, weighing as much as _PRIOR_WEIGHT rounds."""
         return cls(decay, rate * _PRIOR_WEIGHT, (1 - rate) * _PRIOR_WEIGHT)
 
     @property
@@ -103,7 +104,9 @@ class Sizing:
     build_seen: dict[int, int] = dataclasses.field(default_factory=dict)  # level -> `builds` at its last build
     verify_ms: float | None = None  # EMA of the target's verify forward
     build_step_ms: float | None = None  # EMA of one build forward (a build's time / its forwards)
-    acceptance: "Acceptance" = dataclasses.field(default_factory=lambda: Acceptance(decay=_SHARED_DECAY))  # all requests'
+    acceptance: "Acceptance" = dataclasses.field(  # all requests'
+        default_factory=lambda: Acceptance.starting_at(_PRIOR_ACCEPTANCE, _SHARED_DECAY)
+    )
 
     def __post_init__(self) -> None:
         self.levels = sorted({b for b in _LEVELS if b <= self.max_budget} | {self.max_budget})

@@ -59,7 +59,7 @@ def test_budget_finds_zero_behind_a_plateau():
 
 
 def test_budget_zero_must_win_clearly_to_be_adopted():
-    # A few percent ahead at 0 is within what the text alone does to a probe's 8 rounds.
+    # A few percent ahead at 0 is within what the text alone does to a probe's 16 rounds.
     sizing = Sizing(max_budget=16)
     chosen = _run(sizing, lambda b: 48.0 if b == 0 else 50.0, 600)
     assert 0 not in chosen
@@ -224,8 +224,8 @@ def test_probes_at_zero_thin_out_while_zero_keeps_losing():
 
 
 def test_a_request_starts_from_the_coordinators_recent_acceptance():
-    # Round 0's Speculate is sized before the request has verified anything: with the pair
-    # accepting nearly everything, its fan-out must already favour k = K, and K be the most.
+    # A request's first rounds are sized before it has verified anything: with the pair
+    # accepting nearly everything, their fan-out must already favour k = K, and K be the most.
     sizing = Sizing(max_budget=8)
     fresh = Tuning(max_k=8, max_budget=8, adaptive=True, sizing=sizing)
     assert fresh.acceptance == 0.7 and fresh.k == 7
