@@ -86,7 +86,7 @@ def lean_or_plain(model):
     """LeanLlama over `model` where it is a LlamaForCausalLM and the probe agrees; else `model`."""
     from transformers import LlamaForCausalLM
 
-    if type(model) is not LlamaForCausalLM:
+    if not isinstance(model, LlamaForCausalLM):  # specd's draft (specd/draft_model.py) is one too
         return model
     lean = LeanLlama(model)
     if not _agrees(model, lean):

@@ -117,3 +117,33 @@ def save_pair(root: pathlib.Path, noise: float = 0.02, seed: int = 0, architectu
         tokenizer.save_pretrained(folder)
         paths.append(str(folder))
     return paths[0], paths[1]
+
+
+def save_reduced_vocab_draft(folder: pathlib.Path, target_folder: str, draft_vocab_size: int, noise: float = 0.02, seed: int = 3) -> str:
+    """A specd draft (specd/draft_model.py) for the tiny Llama target: its first layer and
+    embedding borrowed from the target, its second layer a perturbed copy of the target's, and
+    an output layer over `draft_vocab_size` ids (every other id, so that tokens outside it
+    are common) taken from the target's head rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specd.draft_model import DraftLlamaConfig, DraftLlamaForCausalLM, borrow_from_target, save_draft
+
+    target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32)
+    settings = target.config.to_dict()
+    for key in ("architectures", "model_type", "transformers_version", "tie_word_embeddings", "dtype"):
+        settings.pop(key, None)
+    config = DraftLlamaConfig(draft_vocab_size=draft_vocab_size, borrowed_layers=1, borrows_from=target_folder, **settings)
+    draft = DraftLlamaForCausalLM(config).eval()
+    borrow_from_target(draft, target_folder)
+    token_ids = torch.arange(draft_vocab_size) * 2  # [N]
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in target.model.layers[1].named_parameters():
+            copied = draft.model.layers[1].get_parameter(name)
+            copied.copy_(param + torch.randn(param.shape, generator=generator) * noise * float(param.std()))
+        draft.model.norm.weight.copy_(target.model.norm.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight[token_ids])
+        draft.lm_head.token_ids.copy_(token_ids)
+    save_draft(draft, str(folder))
+    AutoTokenizer.from_pretrained(target_folder).save_pretrained(folder)
+    return str(folder)
