@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import running_stack
+from tests.conftest import copy_target, running_stack
 
 GENERATE_KEYS = {"text", "token_ids", "finish_reason", "usage", "stats", "trace_id"}
 STATS_KEYS = {"mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length"}
@@ -59,6 +59,36 @@ def test_generate_streams_text_without_json(stack):
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("\n")
     assert "8 tokens" in result.stderr
+
+
+# Shows each message's role and content, so the output's prompt tokens tell what was sent.
+ROLE_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+@pytest.fixture(scope="module")
+def chat_stack(tiny_pair, tmp_path_factory):
+    target = copy_target(tiny_pair[0], tmp_path_factory.mktemp("chat_target"), chat_template=ROLE_TEMPLATE)
+    with running_stack(target, tiny_pair[1]) as running:
+        yield running
+
+
+@pytest.mark.parametrize("system", [None, "be brief"])
+def test_generate_chat_sends_one_user_message_and_an_optional_system_one(chat_stack, system):
+    from transformers import AutoTokenizer
+
+    extra = ["--system", system] if system else []
+    result = specd("generate", "--address", chat_stack.address, "--json", "--max-new-tokens", "4",
+                   "--temperature", "0", "--chat", *extra, "--", "hello there")
+    assert result.returncode == 0, result.stderr
+    rendered = (f"[system] {system}\n" if system else "") + "[user] hello there\n[assistant] "
+    tokenizer = AutoTokenizer.from_pretrained(chat_stack.target_model)
+    assert json.loads(result.stdout)["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered))
+
+
+def test_generate_system_without_chat_is_refused():
+    result = specd("generate", "--system", "be brief", "hello")
+    assert result.returncode == 2
+    assert "--system needs --chat" in result.stderr
 
 
 @pytest.mark.parametrize("role", ["target", "draft", "coordinator"])

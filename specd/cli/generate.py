@@ -28,7 +28,10 @@ def default_address() -> str:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text through a running coordinator")
-    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text (with --chat: the user's message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send PROMPT as one user message, rendered with the target's chat template")
+    parser.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
     parser.add_argument("--address", default=None, help="coordinator HOST:PORT (default: the one `specd up` printed)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None)
@@ -59,13 +62,18 @@ def build_request(args: argparse.Namespace):
     if args.num_speculative_tokens is not None:
         speculation.num_speculative_tokens = args.num_speculative_tokens
     request = coordinator_pb2.GenerateRequest(
-        prompt=args.prompt,
         sampling=sampling,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         speculation=speculation,
         return_logprobs=args.logprobs,
     )
+    if args.chat:
+        if args.system is not None:
+            request.messages.messages.add(role="system", content=args.system)
+        request.messages.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
     if args.max_new_tokens is not None:
         request.max_new_tokens = args.max_new_tokens
     return request
@@ -116,6 +124,9 @@ def response_dict(response) -> dict:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    if args.system is not None and not args.chat:
+        print("specd generate: --system needs --chat (a system message belongs to a chat)", file=sys.stderr)
+        return 2
     from specd.v1 import coordinator_pb2_grpc
 
     address = args.address or default_address()
