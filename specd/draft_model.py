@@ -16,6 +16,7 @@ test handles exactly, and the sparse wire never carries those tokens.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -59,6 +60,8 @@ class DraftLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         self.lm_head = ReducedVocabHead(config.hidden_size, config.draft_vocab_size, config.vocab_size)
         self.post_init()
+        # A committed draft lacks the borrowed weights on purpose: not worth a "missing keys" warning.
+        self._keys_to_ignore_on_load_missing = {f"^{re.escape(key)}$" for key in self.borrowed_state_keys()}
 
     def borrowed_state_keys(self) -> list[str]:
         """The parameters read from the target: its embedding and first layers."""
