@@ -1,0 +1,251 @@
+"""The draft recipe's data: prompts written from the Python standard library, and the target's
+own continuations of them with its top-k log-probabilities at every position.
+
+Everything here is rebuilt offline from the stdlib this interpreter ships. Files are split by
+the sha1 of their relative path, so a held-out file never lends a prompt to training.
+
+Prompts come in two kinds, as the server is used:
+- code: a window of a stdlib file, cut at a line start, continued as plain text;
+- chat: one user message (sometimes after a system message) that the recipe writes from a
+  function or class of the stdlib: write it from its docstring, explain its source, document
+  it, test it; rendered with the target's chat template.
+
+A shard is a batch of prompts continued together by the target, greedily or sampled as the
+shard's seed decides. It stores, per sequence, the prompt ids, the generated ids and the
+target's top-k log-probabilities (temperature 1, before any sampling settings) at every
+position after the first: the prompt's (teacher-forced) and the continuation's.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+
+EXCLUDED_DIRS = {"test", "tests", "idle_test", "lib2to3", "site-packages", "__pycache__", "idlelib", "turtledemo"}
+
+SYSTEM_MESSAGES = (
+    "You are a concise Python expert.",
+    "You are a helpful coding assistant. Answer with code where it helps.",
+    "You are a patient teacher who explains programming clearly.",
+)
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path) -> list[str]:
+    """Relative paths (posix, sorted) of the stdlib's *.py files, tests and demos left out."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for name in filenames:
+            if name.endswith(".py"):
+                found.append((Path(dirpath) / name).relative_to(root).as_posix())
+    return sorted(found)
+
+
+def is_heldout(relative_path: str, percent: int) -> bool:
+    digest = int.from_bytes(hashlib.sha1(relative_path.encode()).digest()[:8], "big")
+    return digest % 100 < percent
+
+
+def read_split(heldout_percent: int, heldout: bool) -> dict[str, str]:
+    """{relative path: source} for one side of the split."""
+    root = stdlib_root()
+    sources = {}
+    for rel in stdlib_files(root):
+        if is_heldout(rel, heldout_percent) != heldout:
+            continue
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            sources[rel] = text
+    return sources
+
+
+def code_prompt(source: str, rng: random.Random, min_lines: int = 6, max_chars: int = 900) -> str:
+    """A window of whole lines ending mid-file, at most `max_chars` long."""
+    lines = source.splitlines(keepends=True)
+    if len(lines) <= min_lines + 1:
+        return source[:max_chars]
+    end = rng.randrange(min_lines, len(lines))
+    window: list[str] = []
+    size = 0
+    for line in reversed(lines[:end]):
+        if size + len(line) > max_chars and len(window) >= min_lines:
+            break
+        window.insert(0, line)
+        size += len(line)
+    return "".join(window)[-max_chars:]
+
+
+def documented_definitions(module: str, source: str) -> list[dict]:
+    """Top-level and method definitions that have a docstring: name, signature, doc, source."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or node.name.startswith("_"):
+            continue
+        segment = ast.get_source_segment(source, node) or ""
+        if isinstance(node, ast.ClassDef):
+            signature = node.name
+        else:
+            signature = f"{node.name}({ast.unparse(node.args)})"
+        found.append(
+            {
+                "module": module,
+                "name": node.name,
+                "kind": "class" if isinstance(node, ast.ClassDef) else "function",
+                "signature": signature,
+                "summary": doc.strip().split("\n\n")[0].replace("\n", " ")[:300],
+                "source": "\n".join(segment.splitlines()[:40]),
+            }
+        )
+    return found
+
+
+def chat_messages(definition: dict, rng: random.Random) -> list[dict]:
+    """One user request about `definition`, in one of several shapes a user would write."""
+    d = definition
+    summary = d["summary"].rstrip(".")
+    requests = [
+        f"Write a Python {d['kind']} `{d['signature']}`: {summary}.",
+        f"Explain what this Python code does:\n\n```python\n{d['source']}\n```",
+        f"What does `{d['module']}.{d['name']}` in the Python standard library do? Give an example.",
+        f"Write a docstring and type hints for this code:\n\n```python\n{d['source']}\n```",
+        f"Write pytest tests for `{d['module']}.{d['name']}`, which does this: {summary}.",
+        f"How can I do this in Python: {summary[:1].lower() + summary[1:]}?",
+        f"Rewrite this code to be shorter and clearer:\n\n```python\n{d['source']}\n```",
+        f"Find possible bugs in this code:\n\n```python\n{d['source']}\n```",
+    ]
+    messages = []
+    if rng.random() < 0.25:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_MESSAGES)})
+    messages.append({"role": "user", "content": rng.choice(requests)})
+    return messages
+
+
+def module_name(relative_path: str) -> str:
+    return relative_path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+
+
+def all_definitions(sources: dict[str, str]) -> list[dict]:
+    return [d for rel in sorted(sources) for d in documented_definitions(module_name(rel), sources[rel])]
+
+
+def make_prompts(tokenizer, sources: dict[str, str], definitions: list[dict], count: int, seed: int, chat_fraction: float, max_prompt_tokens: int) -> list[dict]:
+    """`count` prompts ({"kind", "text"}, text already rendered for chat) from `sources`."""
+    rng = random.Random(seed)
+    paths = sorted(sources)
+    prompts = []
+    while len(prompts) < count:
+        if rng.random() < chat_fraction:
+            messages = chat_messages(rng.choice(definitions), rng)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            kind = "chat"
+        else:
+            text = code_prompt(sources[rng.choice(paths)], rng)
+            kind = "code"
+        if 0 < len(tokenizer(text)["input_ids"]) <= max_prompt_tokens:
+            prompts.append({"kind": kind, "text": text})
+    return prompts
+
+
+def choose_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """Greedy at temperature 0, else temperature + top-p sampling. logits [B, V] -> [B]."""
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)  # [B, V]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # [B, V]: mass before it already >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    picked = torch.multinomial(sorted_probs, 1, generator=generator)  # [B, 1]
+    return order.gather(-1, picked).squeeze(-1)
+
+
+@torch.inference_mode()
+def continue_batch(model, prompt_ids: list[list[int]], new_tokens: int, temperature: float, top_p: float, topk: int, eos_ids: set[int], pad_id: int, seed: int) -> list[dict]:
+    """Continue every prompt (left-padded into one batch); keep the target's top-k log-probs."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    cache, prompt_top, last_hidden = _prefill_rows(model, prompt_ids, width, topk)
+    mask = torch.zeros((batch, width), dtype=torch.long)  # [B, L]
+    for row, ids in enumerate(prompt_ids):
+        mask[row, width - len(ids):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    logits = model.lm_head(last_hidden)  # [B, V]
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    gen_values: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    gen_indices: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    done = torch.zeros(batch, dtype=torch.bool)
+    last_position = positions[:, -1]  # [B]
+    for _ in range(new_tokens):
+        values, indices = _topk_logprobs(logits, topk)  # [B, k] each
+        token = choose_next(logits.float(), temperature, top_p, generator)  # [B]
+        for row in range(batch):
+            if not done[row]:
+                generated[row].append(int(token[row]))
+                gen_values[row].append(values[row])
+                gen_indices[row].append(indices[row])
+                done[row] = int(token[row]) in eos_ids
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)  # [B, L+t]
+        last_position = last_position + 1
+        out = model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=last_position.unsqueeze(-1), past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1]  # [B, V]
+    rows = []
+    for row, ids in enumerate(prompt_ids):
+        # Position i's distribution predicts token i+1: the prompt's rows 0..n-2 are teacher-forced,
+        # row n-1 predicts the first generated token, which the generation rows cover.
+        values = torch.cat([prompt_top[row][0][:-1], torch.stack(gen_values[row])])  # [n-1+g, k]
+        indices = torch.cat([prompt_top[row][1][:-1], torch.stack(gen_indices[row])])
+        rows.append({"prompt_ids": ids, "generated_ids": generated[row], "top_logprobs": values.half(), "top_ids": indices.int()})
+    return rows
+
+
+def _prefill_rows(model, prompt_ids: list[list[int]], width: int, topk: int):
+    """Prefill each prompt alone (no padding to compute), then lay the caches side by side,
+    left-padded with zeros that the attention mask hides. Returns (batched cache, per-row
+    top-k log-probs of the prompt positions, last hidden states [B, H])."""
+    from transformers import DynamicCache
+
+    per_layer: list[tuple[list, list]] = []
+    prompt_top, last = [], []
+    for ids in prompt_ids:
+        row_cache = DynamicCache()
+        hidden = model.model(input_ids=torch.tensor([ids]), past_key_values=row_cache, use_cache=True).last_hidden_state[0]  # [n, H]
+        prompt_top.append(_topk_logprobs(model.lm_head(hidden), topk))  # ([n, k], [n, k])
+        last.append(hidden[-1])
+        for index, layer in enumerate(row_cache.layers):
+            pad = width - len(ids)
+            keys = torch.nn.functional.pad(layer.keys, (0, 0, pad, 0))  # [1, heads, L, D]
+            values = torch.nn.functional.pad(layer.values, (0, 0, pad, 0))
+            if index == len(per_layer):
+                per_layer.append(([], []))
+            per_layer[index][0].append(keys)
+            per_layer[index][1].append(values)
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(per_layer):
+        cache.update(torch.cat(keys), torch.cat(values), index)  # [B, heads, L, D]
+    return cache, prompt_top, torch.stack(last)
+
+
+def _topk_logprobs(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> (log-probs [..., k], ids [..., k]) of the k likeliest tokens."""
+    return torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)
