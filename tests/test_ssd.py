@@ -1,6 +1,6 @@
 """SSD end to end over real gRPC: exact greedy output on the hit and miss paths with both
-backups, for the tiny models and the bundled demo pair, cache statistics, and (tiny models) a
-seeded sampled run with Saguaro sampling.
+backups, for the tiny models (the default pair: tests/test_default_pair.py), cache statistics,
+and a seeded sampled run with Saguaro sampling.
 
 Greedy output must equal the target decoding alone (DESIGN.md), except at a near-tie that the
 test shows (the target's top-2 logit gap below 1e-4 at the first divergence).
@@ -13,7 +13,6 @@ import contextlib
 import grpc
 import pytest
 
-from specd.demo import DEMO_DRAFT, DEMO_TARGET
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
 from tests.conftest import (
@@ -24,7 +23,6 @@ from tests.conftest import (
     request,
     running_stack,
 )
-from tests.conftest import request as generate_request  # where a test needs pytest's `request`
 
 MAX_NEW = 40
 PROMPTS = ["def add(a, b):", "for i in range(10):\n", "class Point:\n    def"]
@@ -41,11 +39,6 @@ def _reference(folder: str):
 @pytest.fixture(scope="module")
 def reference(tiny_pair):
     return _reference(tiny_pair[0])
-
-
-@pytest.fixture(scope="module")
-def demo_reference():
-    return _reference(DEMO_TARGET)
 
 
 # (budget, backup): the hit path with both backups, and forced misses (budget 0) with both, at
@@ -82,23 +75,15 @@ def stacks(tiny_pair):
         yield stubs
 
 
-@pytest.fixture(scope="module")
-def demo_stacks():
-    with _stacks(DEMO_TARGET, DEMO_DRAFT) as stubs:
-        yield stubs
-
-
-@pytest.mark.parametrize("pair", ["tiny", "demo"])
 @pytest.mark.parametrize("setting", list(STACKS))
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_ssd_equals_target_alone(request, pair, setting, k):  # request: pytest's, for the pair's fixtures
+def test_greedy_ssd_equals_target_alone(stacks, reference, setting, k):
     if setting == "adaptive" and k != 4:
         pytest.skip("the adaptive controller changes K itself: one K is enough")
-    prefix = "" if pair == "tiny" else "demo_"
-    stacks, (model, prompts, greedy) = request.getfixturevalue(prefix + "stacks"), request.getfixturevalue(prefix + "reference")
+    model, prompts, greedy = reference
     hits = misses = 0
     for text in PROMPTS:
-        message = generate_request(prompts[text], mode=SSD, k=k, max_new_tokens=MAX_NEW)
+        message = request(prompts[text], mode=SSD, k=k, max_new_tokens=MAX_NEW)
         response = stacks[setting].Generate(message, timeout=CALL_TIMEOUT_S)
         stats = response.stats
         assert response.usage.completion_tokens == MAX_NEW

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.text import TextAssembler
-from specd.demo import DEMO_TARGET
+from specd.default_pair import DEFAULT_TARGET
+from specd.models import load_tokenizer
 
 SAMPLES = [
     "def f(x):\n    return x  # ok\n",
@@ -16,9 +17,7 @@ SAMPLES = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(DEMO_TARGET)
+    return load_tokenizer(DEFAULT_TARGET)
 
 
 @pytest.mark.parametrize("sample", SAMPLES)

@@ -6,7 +6,7 @@ thread, after a prompt-sized context) in blocks that alternate between an idle m
 one where another process runs the draft's tree-step forwards (B tokens on its own context)
 in a loop, so that the machine's drift hits both alike.
 
-    python tools/measure_interference.py                       # the demo pair
+    python tools/measure_interference.py                       # the default pair
     python tools/measure_interference.py --blocks 10 --branches 16
 """
 
@@ -16,17 +16,22 @@ import argparse
 import multiprocessing
 import pathlib
 import statistics
+import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 
 
 def _load(path: str):
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from specd.models import load_causal_lm
 
     torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_causal_lm(path).model
 
 
 def _draft_loop(path: str, branches: int, context: int, stop) -> None:
@@ -59,8 +64,8 @@ def _time_forwards(model, cache, block, count: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(ROOT / "models/demo/target"))
-    parser.add_argument("--draft", default=str(ROOT / "models/demo/draft"))
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--context", type=int, default=100, help="tokens cached before each timed forward")
     parser.add_argument("--branches", type=int, default=12, help="tokens per draft forward (a tree step)")

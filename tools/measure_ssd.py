@@ -7,7 +7,7 @@ length, cache hit rate, the time the loop waited on the draft, the target's veri
 the draft's forwards per round, and each process's CPU milliseconds per round (on a machine
 with as few cores as this one, CPU spent off the critical path still slows it).
 
-    python tools/measure_ssd.py --target models/demo/target --draft models/demo/draft
+    python tools/measure_ssd.py    # the default pair; --target/--draft for another
     python tools/measure_ssd.py --tiny             # the tests' tiny pair, built in a temp folder
     python tools/measure_ssd.py ... --settings "ssd:ssd_budget=8" "ssd:ssd_budget=24,ssd_backup=ngram"
 
@@ -35,7 +35,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specd.v1 import common_pb2
+from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
+from specd.v1 import common_pb2  # noqa: E402
 from specd.v1 import coordinator_pb2 as pb  # noqa: E402
 from specd.v1 import coordinator_pb2_grpc  # noqa: E402
 
@@ -157,8 +158,8 @@ def _delta_ms(before: dict, after: dict, op: str | None, per_call: bool = False)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=str(ROOT / "models/demo/target"))
-    parser.add_argument("--draft", default=str(ROOT / "models/demo/draft"))
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--tiny", action="store_true", help="use the tests' tiny pair")
     parser.add_argument("--settings", nargs="*", default=DEFAULT_SETTINGS)
     parser.add_argument("--k", type=int, default=4)
@@ -166,7 +167,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts to use")
-    parser.add_argument("--prompts-file", default="", help="a JSON list of prompts (e.g. models/demo/bench_prompts.json)")
+    parser.add_argument("--prompts-file", default="", help="a JSON list of prompts (e.g. models/smollm2-draft/bench_prompts.json)")
     args = parser.parse_args()
     if args.tiny:
         from tests.tiny_models import save_pair

@@ -1,8 +1,8 @@
 """Cost of one speculation-tree step on CPU: B branch tokens over a shared prefix (4-D mask)
 against a one-token draft step and against copying the prefix KV cache per branch.
 
-    python tools/measure_tree.py [--model models/demo/draft] [--threads 1] [--context 256]
-    python tools/measure_tree.py --builds --model models/demo/draft   # whole builds vs Propose
+    python tools/measure_tree.py [--model models/smollm2-draft] [--threads 1] [--context 256]
+    python tools/measure_tree.py --builds --model models/smollm2-draft   # whole builds vs Propose
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from draft_service.tree_mask import tree_mask  # noqa: E402
+from specd.default_pair import DEFAULT_DRAFT  # noqa: E402
 
 
 def _timed(fn, repeats: int) -> float:
@@ -33,7 +34,9 @@ def _timed(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def main() -> None:
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from specd.models import load_causal_lm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="a draft folder; default: a random 128x2 Llama, vocab 4096")
@@ -47,7 +50,7 @@ def main() -> None:
         _builds(args)
         return
     if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        model = load_causal_lm(args.model).model
     else:
         config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048)
@@ -96,7 +99,7 @@ def _builds(args) -> None:
     from specd.sampling import SamplingSettings
     from specd.session_cache import SessionStore
 
-    loaded = load_causal_lm(args.model or "models/demo/draft")
+    loaded = load_causal_lm(args.model or DEFAULT_DRAFT)
     runner = DraftModelRunner(loaded, SessionStore(8, 300.0), 64)
     prompt = list(range(10, 10 + args.context))
     greedy = SamplingSettings(temperature=0.0)

