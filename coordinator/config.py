@@ -22,9 +22,9 @@ class CoordinatorConfig:
     tokenizer: str = setting("", "tokenizer folder or hub id (empty: the target worker's model)")
     default_mode: str = setting("auto", "speculation mode when a request says auto", choices=MODES)
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
-    # 8 from the demo pair (docs/ssd.md, "Choosing K"): with the target on a core of its own
-    # the tree still mostly fits beside the verification there, and ssd runs 1.09x K = 6's speed.
-    num_speculative_tokens: int = setting(8, "K: draft tokens per round when a request does not say")
+    # 4 from the default pair (docs/ssd.md, "The default pair: choosing K"): ssd's best of K = 3..6
+    # side by side (22.3 tok/s against 21.4 / 21.3 / 20.8); its draft accepts ~0.4 per token.
+    num_speculative_tokens: int = setting(4, "K: draft tokens per round when a request does not say")
     max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
     default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
