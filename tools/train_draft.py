@@ -39,14 +39,13 @@ import draft_data  # noqa: E402
 
 
 def load_target(threads: int):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specd.default_target import target_folder
+    """(model, tokenizer) of the default target, as the target worker loads it."""
+    from specd.default_pair import DEFAULT_TARGET
+    from specd.models import load_causal_lm
 
     torch.set_num_threads(threads)
-    folder = target_folder()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
+    loaded = load_causal_lm(DEFAULT_TARGET)
+    return loaded.model, loaded.tokenizer
 
 
 def shard_plan(args, shard: int) -> dict:
@@ -276,31 +275,23 @@ def stage_export(args, draft) -> None:
 # ---------------------------------------------------------------------------- evaluate
 
 
-@torch.no_grad()
-def greedy_tokens_per_round(draft, prompt_ids: list[int], target_tokens: list[int], k: int) -> tuple[int, int]:
+def greedy_tokens_per_round(runner, prompt_ids: list[int], target_tokens: list[int], k: int) -> tuple[int, int]:
     """Greedy speculative decoding replayed against the target's own greedy continuation:
-    (tokens, rounds). A round drafts k tokens after the committed ones and keeps the matching
-    prefix plus the target's next token, as a greedy verify would."""
-    from transformers import DynamicCache
+    (tokens, rounds). Each round is the draft worker's own Propose (its session, KV rollback and
+    forward) after the committed tokens; it keeps the matching prefix plus the target's next
+    token, as a greedy verify would."""
+    from specd.sampling import SamplingSettings
 
-    sequence = prompt_ids + target_tokens
-    cache, cached = DynamicCache(), 0
     position, rounds = 0, 0
     while position < len(target_tokens):
-        committed = len(prompt_ids) + position
-        feed = sequence[cached:committed]
-        drafted = []
-        for _ in range(min(k, len(target_tokens) - position)):
-            logits = draft(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True).logits  # [1, n, V]
-            drafted.append(int(logits[0, -1].argmax()))
-            feed = drafted[-1:]
-        _drop_after(cache, committed)
-        cached = committed
+        committed = prompt_ids + target_tokens[:position]
+        drafted = runner.propose("evaluate", 0, committed, min(k, len(target_tokens) - position), SamplingSettings(), 1).draft_tokens
         accepted = 0
         while accepted < len(drafted) and drafted[accepted] == target_tokens[position + accepted]:
             accepted += 1
         position += accepted + 1
         rounds += 1
+    runner.end_session("evaluate")
     return len(target_tokens), rounds
 
 
@@ -316,23 +307,19 @@ def step_ms(model, context: int, repeats: int) -> float:
             started = time.perf_counter()
             model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True)
             times.append((time.perf_counter() - started) * 1000)
-            _drop_after(cache, context)
+            cache.crop(-1)  # transformers 5: a negative count of tokens to drop
     return sorted(times)[len(times) // 2]
 
 
-def _drop_after(cache, length: int) -> None:
-    """Keep the first `length` cached tokens (transformers 5's crop takes a negative count to drop)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def stage_evaluate(args) -> dict:
+    from draft_service.runner import DraftModelRunner
     from specd.default_target import NAME
     from specd.models import load_causal_lm
+    from specd.session_cache import SessionStore
 
     target, tokenizer = load_target(1)
-    draft = load_causal_lm(str(args.out)).model
+    loaded_draft = load_causal_lm(str(args.out))
+    runner = DraftModelRunner(loaded_draft, SessionStore(max_sessions=1, idle_timeout_s=3600.0), max_support=1)
     sources = draft_data.read_split(args.heldout_percent, heldout=True)
     definitions = draft_data.all_definitions(sources)
     eos = {int(tokenizer.convert_tokens_to_ids("<|im_end|>")), int(tokenizer.eos_token_id)}
@@ -341,16 +328,15 @@ def stage_evaluate(args) -> dict:
         prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.eval_prompts, args.seed + 7, chat_fraction, args.max_prompt_tokens)
         ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
         rows = draft_data.continue_batch(target, ids, args.eval_new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
-        per_prompt = [greedy_tokens_per_round(draft, p, r["generated_ids"], args.eval_k) for p, r in zip(ids, rows)]
+        per_prompt = [greedy_tokens_per_round(runner, p, r["generated_ids"], args.eval_k) for p, r in zip(ids, rows)]
         tokens, rounds = sum(t for t, _ in per_prompt), sum(r for _, r in per_prompt)
-        report["kinds"][kind] = {"prompts": len(ids), "tokens": tokens, "tokens_per_round": tokens / rounds,
+        report["kinds"][kind] = {"prompts": len(ids), "tokens": tokens, "rounds": rounds, "tokens_per_round": tokens / rounds,
                                  "per_prompt": [round(t / r, 3) for t, r in per_prompt]}
         print(f"{kind}: {tokens / rounds:.3f} tokens per round at K = {args.eval_k} over {len(ids)} held-out prompts", flush=True)
-    all_tokens = sum(v["tokens"] for v in report["kinds"].values())
-    all_rounds = sum(v["tokens"] / v["tokens_per_round"] for v in report["kinds"].values())
-    report["tokens_per_round"] = all_tokens / all_rounds
+    kinds = report["kinds"].values()
+    report["tokens_per_round"] = sum(v["tokens"] for v in kinds) / sum(v["rounds"] for v in kinds)
     torch.set_num_threads(1)
-    draft_ms, target_ms = step_ms(draft, 256, args.eval_repeats), step_ms(target, 256, args.eval_repeats)
+    draft_ms, target_ms = step_ms(loaded_draft.model, 256, args.eval_repeats), step_ms(target, 256, args.eval_repeats)
     report.update(draft_step_ms=draft_ms, target_step_ms=target_ms, c=draft_ms / target_ms)
     print(f"all: {report['tokens_per_round']:.3f} tokens per round; draft step {draft_ms:.2f} ms, target step {target_ms:.2f} ms, c = {draft_ms / target_ms:.3f}", flush=True)
     (args.work / "evaluation.json").write_text(json.dumps(report, indent=2))
@@ -379,8 +365,7 @@ def main(argv=None) -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--borrowed-layers", type=int, default=2)
     parser.add_argument("--trained-layers", type=int, default=3)
-    parser.add_argument("--init-layers", default="27,28,29",
-                        help="the target layers the trained layers start from (its last: initial KL 9.0 vs 13.4 for 2,3,4)")
+    parser.add_argument("--init-layers", default="27,28,29", help="the target layers the trained layers start from")
     parser.add_argument("--steps", type=int, default=1100)
     parser.add_argument("--batch", type=int, default=12)
     parser.add_argument("--seq", type=int, default=384)
