@@ -15,13 +15,11 @@ test handles exactly, and the sparse wire never carries those tokens.
 
 from __future__ import annotations
 
-import logging
+import pathlib
 import re
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-log = logging.getLogger(__name__)
 
 MODEL_TYPE = "specd_draft_llama"
 
@@ -79,8 +77,6 @@ AutoModelForCausalLM.register(DraftLlamaConfig, DraftLlamaForCausalLM)
 
 def borrow_from_target(model: DraftLlamaForCausalLM, target_folder: str) -> None:
     """Copy the embedding and first layers from the target's safetensors into `model`."""
-    import pathlib
-
     from safetensors import safe_open
 
     files = sorted(pathlib.Path(target_folder).glob("*.safetensors"))
@@ -104,8 +100,6 @@ def borrow_from_target(model: DraftLlamaForCausalLM, target_folder: str) -> None
 def save_draft(model: DraftLlamaForCausalLM, folder: str) -> None:
     """The draft's config and its own weights in bf16 (the token ids as they are): what is committed.
     The borrowed embedding and layers are left out; they are the target's."""
-    import pathlib
-
     from safetensors.torch import save_file
 
     borrowed = set(model.borrowed_state_keys())
