@@ -83,7 +83,7 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import specd.forward
     import target_service.runner as runner_module
-    from target_service import tensor_parallel as tp
+    from target_service import tp_follower, tp_job, tp_rank0
 
     recorded: list[torch.Tensor] = []
     forward = runner_module.forward_logits
@@ -97,9 +97,9 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
     runner_module.forward_logits = specd.forward.forward_logits = recording_forward
     config = TargetConfig(model=model, device="cpu", threads=1, tensor_parallel=world, session_idle_timeout_s=1.0,
                           tp_timeout_s=RUNNER_TP_TIMEOUT_S, tp_heartbeat_s=0.2)
-    tp._job = job = tp._Job(rank=rank, world_size=world, local_rank=rank)
+    job = tp_job.Job(rank=rank, world_size=world, local_rank=rank)
     if rank == 0:
-        runner = tp.load_tensor_parallel_runner(config)
+        runner = tp_rank0.load_tensor_parallel_runner(config, job)
         _runner_script(runner)
         # Then rank 0 falls silent (no heartbeat, no shutdown): rank 1 must give up, not hang.
         runner._closed = True
@@ -108,17 +108,17 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
         sessions, model = runner.sessions, runner.loaded.model
     else:
         captured = {}
-        original = tp._load_local_runner
+        original = tp_follower.load_local_runner
 
         def keep(config, job):
             captured["runner"] = original(config, job)
             return captured["runner"]
 
-        tp._load_local_runner = keep
+        tp_follower.load_local_runner = keep
         try:
-            tp.follow(config, job)
+            tp_follower.follow(config, job)
             outcome = "followed to a shutdown"
-        except tp.RankFailure as exc:
+        except tp_job.RankFailure as exc:
             outcome = str(exc)
         sessions, model = captured["runner"].sessions, captured["runner"].loaded.model
     state = {sid: list(s.cached_tokens) for sid, s in sessions._sessions.items()}

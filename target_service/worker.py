@@ -1,0 +1,47 @@
+"""The target worker in one process: load the model and start its gRPC server."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from specd.config import ConfigError
+from specd.forward import warm_up
+from specd.models import load_causal_lm, set_threads
+from specd.serving import RunningService
+from specd.session_cache import SessionStore
+from specd.v1 import target_pb2, target_pb2_grpc
+from specd.worker_server import start_worker
+from target_service.config import TargetConfig
+from target_service.runner import TargetModelRunner
+from target_service.servicer import TargetServicer
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+
+
+def load_runner(config: TargetConfig) -> TargetModelRunner:
+    """The whole model on one device."""
+    if config.tensor_parallel > 1:
+        raise ConfigError("a tensor-parallel target starts through target_service.tensor_parallel.serve")
+    set_threads(config.threads)
+    loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
+    warm_up(loaded.model)
+    return TargetModelRunner(loaded, SessionStore(config.max_sessions, config.session_idle_timeout_s))
+
+
+async def start_target(
+    config: TargetConfig,
+    interceptors: list | None = None,
+    tracer_provider=None,
+    load: Callable[[], object] | None = None,
+) -> RunningService:
+    """Serve at once; `load` (default: the whole model here) runs on the model thread."""
+    return await start_worker(
+        "target",
+        config,
+        lambda thread: TargetServicer(thread, tensor_parallel=config.tensor_parallel),
+        target_pb2_grpc.add_TargetWorkerServicer_to_server,
+        SERVICE_NAME,
+        load or (lambda: load_runner(config)),
+        interceptors,
+        tracer_provider,
+    )
