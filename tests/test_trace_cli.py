@@ -148,3 +148,27 @@ def test_target_occupancy_is_verify_time_over_the_rounds_time():
     assert gap == pytest.approx(5.0)  # gaps 5, 5, 5 ms
     assert target_occupancy([], rounds) is None and target_occupancy(verify, []) is None
 
+
+
+def test_the_picture_says_which_mode_ran_and_names_its_markers(tmp_path):
+    from specd.cli.trace import _legend, draw
+
+    def span(name, start, end, parent="", **attributes):
+        return {"trace_id": "ab" * 16, "span_id": f"{start:016x}", "parent_span_id": parent, "name": name,
+                "kind": "INTERNAL", "service": "specd-coordinator", "start_ns": start * 1_000_000,
+                "end_ns": end * 1_000_000, "attributes": attributes}
+
+    root = span("llm_request", 0, 30, **{"specd.request.mode": "auto", "specd.mode": "ssd", "gen_ai.usage.output_tokens": 4})
+    rounds = [
+        span("spec_round", 1, 10, root["span_id"], **{"specd.round.index": 0, "specd.round.cache": "hit"}),
+        span("spec_round", 11, 20, root["span_id"], **{"specd.round.index": 1, "specd.round.cache": "miss"}),
+    ]
+    summary = draw([root, *rounds], tmp_path / "t.png")
+    assert summary.startswith(f"trace {'ab' * 16}, mode ssd:"), summary
+    assert "cache 1 hits / 1 misses" in summary
+    labels = [handle.get_label() for handle in _legend(rounds, hits=1, misses=1)]
+    assert {"ssd cache hit", "ssd cache miss"} <= set(labels), labels
+    assert not {"ssd cache hit", "ssd cache miss"} & {h.get_label() for h in _legend(rounds, hits=0, misses=0)}
+
+    fell_back = dict(root, attributes={"specd.request.mode": "sd", "specd.mode": "off", "specd.fallback_reason": "draft unavailable"})
+    assert ", mode off (fell back: draft unavailable):" in draw([fell_back], tmp_path / "u.png")

@@ -131,21 +131,49 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
 
     roots = [s for s in spans if s["name"] == "llm_request"]
     root = roots[0] if roots else min(spans, key=lambda s: s["start_ns"])
-    t0 = root["start_ns"]
-
-    def ms(ns: int) -> float:
-        return (ns - t0) / 1e6
-
+    timeline = _Timeline(root["start_ns"])
     rounds = sorted((s for s in spans if s["name"] in ("spec_round", "spec_rounds")), key=lambda s: s["start_ns"])
     verify = _intervals(spans, ("spec_verify",))
     if not verify:  # a target without spec_verify spans: its Verify server spans
         verify = sorted((s["start_ns"], s["end_ns"]) for s in spans if s["kind"] == "SERVER" and s["name"].endswith("/Verify"))
-    draft = _intervals(spans, ("spec_propose", "spec_speculate"))
-    overlap = _overlap(draft, verify)
+    overlap = _overlap(_intervals(spans, ("spec_propose", "spec_speculate")), verify)
 
     width = max(8.0, min(24.0, 6.0 + 0.12 * len(rounds)))
     fig, ax = plt.subplots(figsize=(width, 3.4), dpi=120)
-    y = {lane: len(LANES) - 1 - i for i, lane in enumerate(LANES)}
+    hits, misses = _draw_rounds(ax, rounds, timeline)
+    _draw_worker_lanes(ax, spans, verify, overlap, timeline)
+    summary = _summary(root, rounds, verify, overlap, hits, misses, timeline)
+    ax.set_yticks([LANE_Y[lane] for lane in LANES], LANES)
+    ax.set_xlabel("ms since the request started (llm_request)")
+    ax.set_xlim(0, max(timeline.ms(root["end_ns"]), max((timeline.ms(s["end_ns"]) for s in spans), default=1.0)))
+    ax.set_ylim(-0.6, len(LANES) - 0.2)
+    ax.set_title(summary, fontsize=7)
+    legend = _legend(rounds, hits, misses)
+    ax.legend(handles=legend, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=min(len(legend), 5), frameon=False)
+    fig.tight_layout()
+    fig.savefig(output)
+    plt.close(fig)
+    return summary.replace("\n", " ")
+
+
+LANE_Y = {lane: len(LANES) - 1 - i for i, lane in enumerate(LANES)}
+HIT_MARKER = ("^", "#2ca02c")
+MISS_MARKER = ("x", "#d62728")
+
+
+class _Timeline:
+    """Milliseconds since the request started, the picture's x axis."""
+
+    def __init__(self, t0_ns: int):
+        self.t0_ns = t0_ns
+
+    def ms(self, ns: int) -> float:
+        return (ns - self.t0_ns) / 1e6
+
+
+def _draw_rounds(ax, rounds: list[dict], timeline: _Timeline) -> tuple[int, int]:
+    """One bar per round (or per folded summary of rounds), a marker on ssd rounds for the cache
+    outcome; returns (cache hits, cache misses) over all rounds."""
     hits = misses = 0
     for i, s in enumerate(rounds):
         attrs = s["attributes"]
@@ -161,30 +189,47 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
             if cache in ("hit", "miss"):
                 hits += cache == "hit"
                 misses += cache == "miss"
-                marker, mcolor = ("^", "#2ca02c") if cache == "hit" else ("x", "#d62728")
-                ax.plot(ms(s["start_ns"]), y["rounds"] + 0.42, marker=marker, color=mcolor, markersize=7, clip_on=False)
-        left, span_ms = ms(s["start_ns"]), (s["end_ns"] - s["start_ns"]) / 1e6
-        ax.barh(y["rounds"], span_ms, left=left, height=0.6, color=color, edgecolor="white", hatch=hatch, linewidth=0.5)
+                marker, marker_color = HIT_MARKER if cache == "hit" else MISS_MARKER
+                ax.plot(timeline.ms(s["start_ns"]), LANE_Y["rounds"] + 0.42, marker=marker, color=marker_color,
+                        markersize=7, clip_on=False)
+        left, span_ms = timeline.ms(s["start_ns"]), (s["end_ns"] - s["start_ns"]) / 1e6
+        ax.barh(LANE_Y["rounds"], span_ms, left=left, height=0.6, color=color, edgecolor="white", hatch=hatch, linewidth=0.5)
         if len(rounds) <= 40:
             k, acc = attrs.get("specd.round.num_draft"), attrs.get("specd.round.accepted")
             text = label if k is None else f"{label}\n{acc}/{k}"
-            ax.text(left + span_ms / 2, y["rounds"], text, ha="center", va="center", fontsize=6, color="white")
+            ax.text(left + span_ms / 2, LANE_Y["rounds"], text, ha="center", va="center", fontsize=6, color="white")
+    return hits, misses
+
+
+def _draw_worker_lanes(ax, spans: list[dict], verify, overlap, timeline: _Timeline) -> None:
     for lane, intervals, color in (
         ("target", _prefills(spans, "TargetWorker"), COLORS["prefill"]),
         ("target", verify, COLORS["spec_verify"]),
         ("overlap", overlap, COLORS["overlap"]),
     ):
         for start, end in intervals:
-            ax.barh(y[lane], (end - start) / 1e6, left=ms(start), height=0.6, color=color)
+            ax.barh(LANE_Y[lane], (end - start) / 1e6, left=timeline.ms(start), height=0.6, color=color)
     for s in spans:
         if s["name"] in ("spec_propose", "spec_speculate"):
-            ax.barh(y["draft"], (s["end_ns"] - s["start_ns"]) / 1e6, left=ms(s["start_ns"]), height=0.6, color=COLORS[s["name"]])
+            ax.barh(LANE_Y["draft"], (s["end_ns"] - s["start_ns"]) / 1e6, left=timeline.ms(s["start_ns"]), height=0.6,
+                    color=COLORS[s["name"]])
 
+
+def mode_ran(root: dict) -> str:
+    """The mode the request ran in (ssd, sd or off), as the coordinator recorded it."""
+    attrs = root["attributes"]
+    return str(attrs.get("specd.mode") or attrs.get("specd.request.mode") or "?")
+
+
+def _summary(root: dict, rounds, verify, overlap, hits: int, misses: int, timeline: _Timeline) -> str:
     a = root["attributes"]
     overlap_ms = sum(end - start for start, end in overlap) / 1e6
+    mode = mode_ran(root)
+    if a.get("specd.fallback_reason"):
+        mode += f" (fell back: {a['specd.fallback_reason']})"
     summary = (
-        f"trace {root['trace_id']}:\n{a.get('gen_ai.usage.output_tokens', '?')} tokens in "
-        f"{a.get('specd.rounds', len(rounds))} rounds, {a.get('specd.e2e_ms', ms(root['end_ns'])):.1f} ms, "
+        f"trace {root['trace_id']}, mode {mode}:\n{a.get('gen_ai.usage.output_tokens', '?')} tokens in "
+        f"{a.get('specd.rounds', len(rounds))} rounds, {a.get('specd.e2e_ms', timeline.ms(root['end_ns'])):.1f} ms, "
         f"ttft {a.get('specd.ttft_ms', float('nan')):.1f} ms, mean acceptance length "
         f"{a.get('specd.mean_acceptance_length', float('nan')):.2f}, draft/verify overlap {overlap_ms:.1f} ms"
     )
@@ -194,15 +239,16 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     if occupancy is not None:
         summary += (f",\ntarget verifying {occupancy[0]:.0%} of the rounds' time "
                     f"(median gap between verifies {occupancy[1]:.1f} ms)")
-    ax.set_yticks([y[lane] for lane in LANES], LANES)
-    ax.set_xlabel("ms since the request started (llm_request)")
-    ax.set_xlim(0, max(ms(root["end_ns"]), max((ms(s["end_ns"]) for s in spans), default=1.0)))
-    ax.set_ylim(-0.6, len(LANES) - 0.2)
-    ax.set_title(summary, fontsize=7)
+    return summary
+
+
+def _legend(rounds: list[dict], hits: int, misses: int) -> list:
+    """A legend entry for every colour and marker the picture can hold (markers only when drawn)."""
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     legend = [
-        Patch(color=COLORS["spec_round"][0], label="spec_round (accepted/K)"),
+        Patch(color=COLORS["spec_round"][0], label="spec_round (index, accepted/K)"),
         Patch(color=COLORS["prefill"], label="Prefill"),
         Patch(color=COLORS["spec_verify"], label="spec_verify"),
         Patch(color=COLORS["spec_propose"], label="spec_propose"),
@@ -210,9 +256,8 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
         Patch(color=COLORS["overlap"], label="draft ∥ verify"),
     ]
     if any(s["name"] == "spec_rounds" for s in rounds):
-        legend.append(Patch(facecolor=COLORS["spec_rounds"][0], hatch="//", label="spec_rounds (summary)"))
-    ax.legend(handles=legend, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(legend), frameon=False)
-    fig.tight_layout()
-    fig.savefig(output)
-    plt.close(fig)
-    return summary.replace("\n", " ")
+        legend.append(Patch(facecolor=COLORS["spec_rounds"][0], hatch="//", label="spec_rounds (folded rounds first-last)"))
+    for drawn, (marker, color), label in ((hits, HIT_MARKER, "ssd cache hit"), (misses, MISS_MARKER, "ssd cache miss")):
+        if drawn:
+            legend.append(Line2D([], [], linestyle="none", marker=marker, color=color, label=label))
+    return legend
