@@ -5,20 +5,14 @@
     │   ├── Propose  CLIENT → DraftWorker/Propose SERVER → spec_propose
     │   └── Verify   CLIENT → TargetWorker/Verify SERVER → spec_verify
     ├── ...
-    ├── spec_rounds (rounds 64-127)  past max_round_spans: one summary span per group of
-    │   └── ...                      max_round_spans rounds, parent of their worker calls
-    └── spec_stream                  work that outlives a round (a Speculate stream):
-                                     parented by the request, linked from the rounds it serves
+    └── spec_rounds (rounds 64-127)  past max_round_spans: one summary span per group of
+        └── ...                      max_round_spans rounds, parent of their worker calls
 
 Use from a round loop (sd_rounds, ssd_rounds):
 
     with gen.trace.round(index) as span:     # the round's worker calls become its children
         ...
         span.record(result)                  # a RoundResult (ssd: hit, branches, backup too)
-        span.add_link(stream_context)        # a SpanContext from gen.trace.stream(...)
-
-    with gen.trace.stream("spec_stream", fanout=...) as stream_context:
-        call = draft.speculate(...)          # started here: its spans hang under spec_stream
 
 Nothing here costs more than a few attribute checks when spans are not recorded.
 """
@@ -31,7 +25,7 @@ from typing import Iterator
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.request import MODE_NAMES
 from specd.telemetry import context_from_metadata
@@ -120,7 +114,7 @@ _TOTALS = ("num_draft", "accepted", "draft_wait_ms", "verify_ms", "cache_hits", 
 
 
 class RoundSpan:
-    """What a round may add to its span: its outcome and links to longer-lived work."""
+    """What a round may add to its span: its outcome."""
 
     def __init__(self, span: trace.Span, index: int, summary: dict | None):
         self.span = span
@@ -155,10 +149,6 @@ class RoundSpan:
             _fold(self._summary, values)
         elif self.span.is_recording():
             self.span.set_attributes({f"specd.round.{k}": v for k, v in values.items()})
-
-    def add_link(self, context: SpanContext | None, **attributes) -> None:
-        if context is not None and context.is_valid and self.span.is_recording():
-            self.span.add_link(context, {f"specd.{k}": v for k, v in attributes.items()})
 
 
 def _fold(summary: dict, values: dict) -> None:
@@ -214,16 +204,6 @@ class RoundTrace:
         self._summary_span.set_attributes({f"specd.rounds.{k}": v for k, v in s.items()})
         self._summary_span.end()
         self._summary_span = None
-
-    @contextlib.contextmanager
-    def stream(self, name: str = "spec_stream", **attributes) -> Iterator[SpanContext]:
-        """A span for work that outlives one round, parented by the request rather than by a
-        round: calls started inside belong to it; rounds it serves link to the context given.
-        The span ends when the block exits, so open the block around the stream's whole life."""
-        with self._tracer.start_as_current_span(name, context=self._parent) as span:
-            if span.is_recording():
-                span.set_attributes({f"specd.{k}": v for k, v in attributes.items()})
-            yield span.get_span_context()
 
     def close(self) -> None:
         """End a summary span still open (the request finished mid-group); safe to repeat."""
