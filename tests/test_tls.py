@@ -168,3 +168,12 @@ def test_unreadable_files_are_a_clear_error(pki, tmp_path, capsys, monkeypatch):
                  "--tls-cert-file", missing, "--tls-key-file", pki.server.key_file])
     assert code == 2
     assert f"--tls-cert-file {missing}: cannot read it" in capsys.readouterr().err
+
+
+def test_specd_health_checks_an_mtls_worker_as_the_tls_probes_do(secure_stack, pki, capsys):
+    """The exec probe of deploy/k8s/components/tls: the pod's own certificate gets SERVING."""
+    probe = ["health", "--address", f"localhost:{secure_stack.target.port}", "--service", "specd.v1.TargetWorker",
+             "--tls-ca-file", pki.ca.ca_file, "--timeout", str(CONNECT_TIMEOUT_S)]
+    assert main([*probe, "--tls-cert-file", pki.server.cert_file, "--tls-key-file", pki.server.key_file]) == 0
+    assert capsys.readouterr().out.strip() == "SERVING"
+    assert main(probe) == 1  # no client certificate: the worker answers nothing

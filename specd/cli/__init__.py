@@ -1,4 +1,4 @@
-"""The `specd` command: serve, up, generate, bench, trace."""
+"""The `specd` command: serve, up, generate, bench, trace, health."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": "specd.cli.generate",
     "bench": "specd.cli.bench",
     "trace": "specd.cli.trace",
+    "health": "specd.cli.health",
 }
 
 
