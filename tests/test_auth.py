@@ -23,6 +23,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from coordinator.auth import read_token
 from coordinator.server import SERVICE_NAME
+from specd.cli import bench as bench_cli
+from specd.cli import build_parser
 from specd.config import ConfigError
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
@@ -159,3 +161,13 @@ def test_a_token_file_that_is_missing_or_empty_is_a_clear_error(tmp_path):
     (tmp_path / "blank").write_text(" \n")
     with pytest.raises(ConfigError, match="--auth-token-file .*blank.*no token"):
         read_token(str(tmp_path / "blank"))
+
+
+def test_specd_bench_address_sends_the_token_to_that_stack(guarded, token_file, monkeypatch):
+    """`specd bench --address` talks to the stack through the same channel as `specd generate`."""
+    stack, _ = guarded
+    for name in [n for n in os.environ if n.startswith("SPECD_")]:
+        monkeypatch.delenv(name)
+    argv = ["bench", "--address", stack.address, "--auth-token-file", token_file]
+    stub = bench_cli._stub(stack.address, build_parser(argv).parse_args(argv))
+    assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=CALL_TIMEOUT_S).target_model == stack.target_model

@@ -177,3 +177,12 @@ def test_specd_health_checks_an_mtls_worker_as_the_tls_probes_do(secure_stack, p
     assert main([*probe, "--tls-cert-file", pki.server.cert_file, "--tls-key-file", pki.server.key_file]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
     assert main(probe) == 1  # no client certificate: the worker answers nothing
+
+
+def test_specd_generate_refuses_a_certificate_without_its_key(pki, capsys, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("SPECD_")]:
+        monkeypatch.delenv(name)
+    code = main(["generate", "--address", "127.0.0.1:1", "--tls-ca-file", pki.ca.ca_file,
+                 "--tls-cert-file", pki.client.cert_file, "x"])
+    assert code == 2
+    assert "--tls-key-file" in capsys.readouterr().err
