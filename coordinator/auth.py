@@ -43,16 +43,17 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Lets a call to `service` through only with the right bearer token; other services pass."""
 
     def __init__(self, token: str, service: str):
-        self._expected = f"Bearer {token}".encode()
+        self._token = token.encode()
         self._prefix = f"/{service}/"
 
     def _authorized(self, metadata) -> bool:
+        """Exactly one `authorization` entry, of scheme Bearer (any case, as RFC 7235 has it),
+        holding the token; the token is compared in constant time."""
         supplied = [value for key, value in metadata or () if key == "authorization"]
-        if len(supplied) != 1:
+        if len(supplied) != 1 or not isinstance(supplied[0], str):
             return False
-        value = supplied[0]
-        value = value.encode() if isinstance(value, str) else bytes(value)
-        return hmac.compare_digest(value, self._expected)
+        scheme, _, token = supplied[0].partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self._token)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if not details.method.startswith(self._prefix) or self._authorized(details.invocation_metadata):

@@ -67,6 +67,8 @@ WRONG = {
     "wrong token": [("authorization", "Bearer not-the-token")],
     "token without Bearer": [("authorization", TOKEN)],
     "token with a suffix": [("authorization", f"Bearer {TOKEN}x")],
+    "token with a prefix": [("authorization", f"Bearer x{TOKEN}")],
+    "another scheme": [("authorization", f"Basic {TOKEN}")],
     "token twice": [("authorization", f"Bearer {TOKEN}"), ("authorization", "Bearer not-the-token")],
 }
 
@@ -91,10 +93,11 @@ def test_an_undecodable_request_without_the_token_is_unauthenticated_not_parsed(
     assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_every_coordinator_rpc_with_the_token_is_served(guarded):
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer"])  # the scheme's case does not matter (RFC 7235)
+def test_every_coordinator_rpc_with_the_token_is_served(guarded, scheme):
     stack, _ = guarded
     with grpc.insecure_channel(stack.address) as channel:
-        responses = {name: call() for name, call in _calls(channel, [("authorization", f"Bearer {TOKEN}")]).items()}
+        responses = {name: call() for name, call in _calls(channel, [("authorization", f"{scheme} {TOKEN}")]).items()}
     assert len(responses["Generate"].token_ids) == 4
     assert responses["GenerateStream"].usage.completion_tokens == 4
     assert responses["ModelInfo"].target_model == stack.target_model
