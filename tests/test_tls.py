@@ -55,7 +55,16 @@ def secure_stack(tiny_pair, pki):
         yield stack
 
 
-def specd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No SPECD_* variable of the machine running the tests reaches the commands run in-process."""
+    for name in [n for n in os.environ if n.startswith("SPECD_")]:
+        monkeypatch.delenv(name)
+
+
+def specd(*args: str) -> subprocess.CompletedProcess:
+    """`specd ARGS` in a subprocess that sees no SPECD_* variable of the machine running the tests."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
     return subprocess.run([sys.executable, "-m", "specd", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
@@ -152,7 +161,7 @@ def test_lone_certificates_keys_and_client_cas_are_refused_naming_the_flag(pki):
         channel_credentials(pki.ca.ca_file, pki.client.cert_file, "")
 
 
-def test_unreadable_files_are_a_clear_error(pki, tmp_path, capsys, monkeypatch):
+def test_unreadable_files_are_a_clear_error(pki, tmp_path, capsys, clean_env):
     missing = str(tmp_path / "missing.pem")
     with pytest.raises(ConfigError, match=f"--tls-client-ca-file {missing}: cannot read it"):
         server_credentials(pki.server.cert_file, pki.server.key_file, missing)
@@ -162,8 +171,6 @@ def test_unreadable_files_are_a_clear_error(pki, tmp_path, capsys, monkeypatch):
     empty.write_text("")
     with pytest.raises(ConfigError, match="--tls-key-file .*empty"):
         server_credentials(pki.server.cert_file, str(empty))
-    for name in [n for n in os.environ if n.startswith("SPECD_")]:
-        monkeypatch.delenv(name)
     code = main(["serve", "coordinator", "--port", "0", "--metrics-port", "-1",
                  "--tls-cert-file", missing, "--tls-key-file", pki.server.key_file])
     assert code == 2
@@ -179,10 +186,15 @@ def test_specd_health_checks_an_mtls_worker_as_the_tls_probes_do(secure_stack, p
     assert main(probe) == 1  # no client certificate: the worker answers nothing
 
 
-def test_specd_generate_refuses_a_certificate_without_its_key(pki, capsys, monkeypatch):
-    for name in [n for n in os.environ if n.startswith("SPECD_")]:
-        monkeypatch.delenv(name)
+def test_specd_generate_refuses_a_certificate_without_its_key(pki, capsys, clean_env):
     code = main(["generate", "--address", "127.0.0.1:1", "--tls-ca-file", pki.ca.ca_file,
                  "--tls-cert-file", pki.client.cert_file, "x"])
     assert code == 2
     assert "--tls-key-file" in capsys.readouterr().err
+
+
+def test_an_unreadable_ca_file_is_a_clear_error_without_a_traceback(tmp_path, capsys, clean_env):
+    """specd.cli.main turns a ConfigError of any command (health, bench, ...) into exit 2 and one line."""
+    missing = str(tmp_path / "missing-ca.crt")
+    assert main(["health", "--address", "127.0.0.1:1", "--tls-ca-file", missing]) == 2
+    assert capsys.readouterr().err == f"specd health: --tls-ca-file {missing}: cannot read it (No such file or directory)\n"

@@ -26,14 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from specd.config import ConfigError
-
-    try:
-        channel = connect.open_channel(args.address, args)
-    except ConfigError as exc:
-        print(f"specd health: {exc}", file=sys.stderr)
-        return 2
-    with channel:
+    with connect.open_channel(args.address, args) as channel:  # a ConfigError exits 2 (specd.cli.main)
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
