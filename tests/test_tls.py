@@ -3,7 +3,7 @@
 The certificates are made here (tests/pki.py): a CA, a server and a client certificate it signs, and
 a second, unrelated CA with a certificate of its own. The secure trio: both workers require a client
 certificate signed by the CA (mTLS), the coordinator reaches them with its client pair and serves
-its own clients TLS.
+its own clients TLS, wanting a bearer token as well.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.auth import read_token
 from coordinator.config import CoordinatorConfig
 from specd.cli import main
 from specd.config import ConfigError
@@ -36,8 +37,11 @@ def pki(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pki")
     ca = CertificateAuthority(folder, "specd-test-ca")
     other = CertificateAuthority(folder, "unrelated-ca")
+    token_file = folder / "token"
+    token_file.write_text("specd-tls-test-token\n")
     return types.SimpleNamespace(
-        ca=ca, other=other, server=ca.issue("server"), client=ca.issue("client"), stranger=other.issue("stranger")
+        ca=ca, other=other, server=ca.issue("server"), client=ca.issue("client"), stranger=other.issue("stranger"),
+        token_file=str(token_file),
     )
 
 
@@ -50,6 +54,7 @@ def secure_stack(tiny_pair, pki):
         "worker_tls_ca_file": pki.ca.ca_file,
         "worker_tls_cert_file": pki.client.cert_file,
         "worker_tls_key_file": pki.client.key_file,
+        "auth_token_file": pki.token_file,
     }
     with running_stack(*tiny_pair, target_overrides=mtls, draft_overrides=mtls, coordinator_overrides=coordinator) as stack:
         yield stack
@@ -77,6 +82,7 @@ def test_specd_generate_reaches_a_tls_coordinator_with_its_ca(secure_stack, pki)
     for host in ("localhost", "127.0.0.1"):  # both names the server certificate holds
         result = specd(
             "generate", "--address", f"{host}:{secure_stack.coordinator.port}", "--tls-ca-file", pki.ca.ca_file,
+            "--auth-token-file", pki.token_file,
             "--json", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos", "--", "def add(a, b):",
         )
         assert result.returncode == 0, result.stderr
@@ -126,19 +132,20 @@ def test_an_mtls_worker_answers_a_client_holding_a_certificate_from_its_ca(secur
         assert _worker_info(channel).model == tiny_pair[0]
 
 
-def _greedy_outputs(stub) -> list[list[int]]:
+def _greedy_outputs(stub, metadata=()) -> list[list[int]]:
     outputs = []
     for mode in (pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_SSD):
         message = request(prompt="def add(a, b):", mode=mode, k=3, max_new_tokens=16)
-        outputs.append(list(stub.Generate(message, timeout=CALL_TIMEOUT_S).token_ids))
+        outputs.append(list(stub.Generate(message, metadata=metadata, timeout=CALL_TIMEOUT_S).token_ids))
     return outputs
 
 
 def test_the_secure_trio_decodes_exactly_as_the_plain_stack(secure_stack, pki, tiny_pair):
+    token = [("authorization", "Bearer " + read_token(pki.token_file))]
     with tls_channel(secure_stack.address, pki) as channel:
-        secure = _greedy_outputs(coordinator_pb2_grpc.CoordinatorStub(channel))
+        secure = _greedy_outputs(coordinator_pb2_grpc.CoordinatorStub(channel), token)
         stats = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(
-            request(prompt="x", mode=pb.SPECULATION_MODE_SD, max_new_tokens=8), timeout=CALL_TIMEOUT_S
+            request(prompt="x", mode=pb.SPECULATION_MODE_SD, max_new_tokens=8), metadata=token, timeout=CALL_TIMEOUT_S
         ).stats
     assert stats.rounds > 0 and not stats.fallback_reason, "the draft must be reached over mTLS too"
     with running_stack(*tiny_pair) as plain:
