@@ -6,6 +6,7 @@ import dataclasses
 
 from specd.config import ConfigError, setting
 from specd.cpus import check_cpus
+from specd.tls import check_pair, check_server_settings
 
 MODES = ("auto", "ssd", "sd", "off")
 SSD_BACKUPS = ("jit", "ngram")
@@ -14,7 +15,7 @@ MAX_SPECULATIVE_TOKENS = 32
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorConfig:
-    host: str = setting("0.0.0.0", "address to bind the gRPC server to")
+    host: str = setting("127.0.0.1", "address to bind the gRPC and /metrics servers to (0.0.0.0: every interface)")
     port: int = setting(50051, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(9401, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     target_address: str = setting("localhost:50052", "target worker HOST:PORT")
@@ -52,6 +53,15 @@ class CoordinatorConfig:
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
     draft_retry_s: float = setting(2.0, "after a draft failure, decode target-only this long before retrying")
     startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
+    tls_cert_file: str = setting("", "PEM certificate (chain) the gRPC server presents: serve TLS (with --tls-key-file)")
+    tls_key_file: str = setting("", "PEM private key of --tls-cert-file")
+    tls_client_ca_file: str = setting("", "PEM CA: require client certificates it signed (mTLS; needs --tls-cert-file)")
+    worker_tls_ca_file: str = setting("", "PEM CA that signed the workers' certificates: reach the workers over TLS")
+    worker_tls_cert_file: str = setting("", "PEM client certificate presented to mTLS workers (with --worker-tls-key-file)")
+    worker_tls_key_file: str = setting("", "PEM private key of --worker-tls-cert-file")
+    auth_token_file: str = setting(
+        "", "file holding the token every Coordinator RPC must send as `authorization: Bearer TOKEN` (empty: no auth)"
+    )
 
     def validate(self) -> None:
         if not self.target_address:
@@ -73,3 +83,5 @@ class CoordinatorConfig:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        check_pair(self.worker_tls_cert_file, self.worker_tls_key_file, "--worker-tls-cert-file", "--worker-tls-key-file")

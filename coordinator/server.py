@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from coordinator.auth import BearerTokenInterceptor, read_token
 from coordinator.config import CoordinatorConfig
 from coordinator.request import TargetFacts
 from coordinator.servicer import CoordinatorServicer
@@ -17,6 +18,7 @@ from specd.models import load_tokenizer, tokenizer_fingerprint
 from specd.metrics import CoordinatorMetrics
 from specd.serving import NOT_SERVING, SERVING, RunningService, create_server
 from specd.telemetry import SERVICE_NAMES, client_interceptors as traced_client_interceptors, get_tracer, tracer_provider_from_env
+from specd.tls import channel_credentials, server_credentials
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specd.wire import sampling_from_proto
 from specd.sampling import SamplingSettings
@@ -80,13 +82,21 @@ async def start_coordinator(
     """tracer_provider: None builds one from the OTEL_* env vars. The public service gets no
     tracing interceptor (its llm_request span is the server span, see round_trace.py);
     client_interceptors=None joins worker calls to the request's trace."""
+    credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    worker_credentials = channel_credentials(
+        config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-tls"
+    )
+    if config.auth_token_file:
+        interceptors = [BearerTokenInterceptor(read_token(config.auth_token_file), SERVICE_NAME), *(interceptors or [])]
     provider = tracer_provider or tracer_provider_from_env(SERVICE_NAMES["coordinator"])
     if client_interceptors is None:
         client_interceptors = traced_client_interceptors(provider)
-    target = TargetLink(config.target_address, config.worker_timeout_s, client_interceptors)
+    target = TargetLink(config.target_address, config.worker_timeout_s, client_interceptors, worker_credentials)
     draft = None
     if config.draft_address:
-        draft = DraftLink(config.draft_address, config.worker_timeout_s, config.draft_retry_s, client_interceptors)
+        draft = DraftLink(
+            config.draft_address, config.worker_timeout_s, config.draft_retry_s, client_interceptors, worker_credentials
+        )
     servicer = CoordinatorServicer(config, target, draft)
     servicer.tracer = get_tracer(provider)
     servicer.metrics = CoordinatorMetrics()
@@ -96,6 +106,7 @@ async def start_coordinator(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s),
         [SERVICE_NAME],
         interceptors,
+        credentials,
     )
     service = RunningService(server, port, health_state, thread=None)
     service.servicer = servicer

@@ -85,8 +85,12 @@ def _trace_metadata_source(interceptors: list | None) -> Callable[[], tuple]:
     return (lambda: ()) if interceptors else trace_metadata
 
 
-def _channel(address: str, interceptors: list | None) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS + _KEEPALIVE_OPTIONS, interceptors=interceptors)
+def _channel(address: str, interceptors: list | None, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """A channel to a worker: TLS with `credentials` (specd.tls.channel_credentials), else plaintext."""
+    options = GRPC_OPTIONS + _RECONNECT_OPTIONS + _KEEPALIVE_OPTIONS
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 def verify_request(
@@ -109,10 +113,12 @@ def verify_request(
 
 
 class TargetLink:
-    def __init__(self, address: str, timeout_s: float, interceptors: list | None = None):
+    def __init__(
+        self, address: str, timeout_s: float, interceptors: list | None = None, credentials: grpc.ChannelCredentials | None = None
+    ):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = _channel(address, interceptors)
+        self._channel = _channel(address, interceptors, credentials)
         self._metadata = _trace_metadata_source(interceptors)
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
 
@@ -175,11 +181,18 @@ class TargetLink:
 class DraftLink:
     """The draft worker, or its absence: after a failure it is skipped for `retry_s`."""
 
-    def __init__(self, address: str, timeout_s: float, retry_s: float, interceptors: list | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        retry_s: float,
+        interceptors: list | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.address = address
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self._channel = _channel(address, interceptors)
+        self._channel = _channel(address, interceptors, credentials)
         self._metadata = _trace_metadata_source(interceptors)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
         self.info: draft_pb2.DraftInfo | None = None

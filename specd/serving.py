@@ -120,8 +120,11 @@ def create_server(
     register: Callable[[grpc.aio.Server], None],
     service_full_names: list[str],
     interceptors: list | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, HealthState]:
-    """A grpc.aio server with the given servicers, health and reflection; returns the bound port."""
+    """A grpc.aio server with the given servicers, health and reflection; returns the bound port.
+
+    credentials (specd.tls.server_credentials): serve TLS or mTLS; None serves plaintext."""
     server = grpc.aio.server(interceptors=interceptors or [], options=SERVER_OPTIONS)
     register(server)
     health_state = HealthState(service_full_names)
@@ -129,7 +132,10 @@ def create_server(
     reflection.enable_server_reflection(
         [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     return server, bound, health_state

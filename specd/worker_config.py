@@ -7,12 +7,13 @@ import dataclasses
 from specd.config import ConfigError, setting
 from specd.cpus import check_cpus
 from specd.models import DTYPES
+from specd.tls import check_server_settings
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     model: str = setting("", "model: a local folder or a hub id")
-    host: str = setting("0.0.0.0", "address to bind the gRPC server to")
+    host: str = setting("127.0.0.1", "address to bind the gRPC and /metrics servers to (0.0.0.0: every interface)")
     port: int = setting(0, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(-1, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     dtype: str = setting("float32", "weights dtype", choices=tuple(DTYPES))
@@ -21,6 +22,9 @@ class WorkerConfig:
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
+    tls_cert_file: str = setting("", "PEM certificate (chain) the gRPC server presents: serve TLS (with --tls-key-file)")
+    tls_key_file: str = setting("", "PEM private key of --tls-cert-file")
+    tls_client_ca_file: str = setting("", "PEM CA: require client certificates it signed (mTLS; needs --tls-cert-file)")
 
     def validate(self) -> None:
         if not self.model:
@@ -30,3 +34,4 @@ class WorkerConfig:
             raise ConfigError("--max-sessions must be >= 1")
         if self.session_idle_timeout_s <= 0:
             raise ConfigError("--session-idle-timeout-s must be > 0")
+        check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

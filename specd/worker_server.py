@@ -8,6 +8,7 @@ from typing import Callable
 from specd.metrics import WorkerMetrics
 from specd.serving import NOT_SERVING, ModelThread, RunningService, create_server, expire_sessions_forever, load_then_serve
 from specd.telemetry import SERVICE_NAMES, get_tracer, server_interceptors, tracer_provider_from_env
+from specd.tls import server_credentials
 from specd.worker_config import WorkerConfig
 
 
@@ -26,6 +27,7 @@ async def start_worker(
     tracer_provider: None builds one from the OTEL_* env vars; interceptors: None traces RPCs.
     The servicer gets `.runner` once loaded (None until then), `.tracer` and `.metrics`.
     """
+    credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     provider = tracer_provider or tracer_provider_from_env(SERVICE_NAMES[role])
     if interceptors is None:
         interceptors = server_interceptors(provider)
@@ -34,7 +36,7 @@ async def start_worker(
     servicer.tracer = get_tracer(provider)
     servicer.metrics = WorkerMetrics()
     server, port, health_state = create_server(
-        config.host, config.port, lambda s: add_servicer(servicer, s), [service_name], interceptors
+        config.host, config.port, lambda s: add_servicer(servicer, s), [service_name], interceptors, credentials
     )
     service = RunningService(server, port, health_state, thread)
     service.servicer = servicer

@@ -10,6 +10,7 @@ exactly as in the pod, and its ports, probes, env vars, GPUs and peers are check
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -292,10 +293,94 @@ def test_ports_and_probes_agree_with_each_roles_settings(docs):
         assert annotations.get("prometheus.io/port") == str(config.metrics_port), f"{name}: scrape port"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container.get(kind)
+            if config.tls_cert_file:  # kubelet's gRPC probes speak no TLS
+                service = tls_probe_service(docs, container, config, probe, f"{name}: {kind}")
+                assert service in health_names(role), f"{name}: {kind} asks for {service!r}, not a registered health name"
+                continue
             assert probe and "grpc" in probe, f"{name}: {kind} must be a native gRPC probe"
             assert probe["grpc"]["port"] == config.port, f"{name}: {kind} probes port {probe['grpc']['port']}"
             service = probe["grpc"].get("service", "")
             assert service in health_names(role), f"{name}: {kind} asks for {service!r}, not a registered health name"
+
+
+def tls_probe_service(docs, container: dict, config, probe: dict | None, where: str) -> str:
+    """A TLS server's probe must run `specd health` over TLS against its own gRPC port, trusting a
+    CA from the pod's certificate Secret and, where the server asks for client certificates, showing
+    the pod's own; parsed by specd's own parser with the container's env, as the probe runs it.
+    Returns the health service name it asks for."""
+    handlers = {"exec", "grpc", "httpGet", "tcpSocket"} & set(probe or {})
+    assert handlers == {"exec"}, f"{where}: a TLS server needs an exec probe running `specd health`, not {handlers}"
+    argv = probe["exec"]["command"]
+    assert argv[:2] == ["specd", "health"], f"{where}: the exec probe runs {argv[:2]}, not `specd health`"
+    plain_env = {k: v["value"] for k, v in container_env(docs, container).items() if "value" in v}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    with mock.patch.dict(os.environ, {**clean, **plain_env}, clear=True):
+        args = build_parser(argv[1:]).parse_args(argv[1:])
+    host, _, port = args.address.rpartition(":")
+    assert host in ("localhost", "127.0.0.1") and int(port) == config.port, f"{where}: probes {args.address}"
+    certificates = os.path.dirname(config.tls_cert_file)
+    assert os.path.dirname(args.tls_ca_file) == certificates, f"{where}: trusts {args.tls_ca_file!r}, not the pod's CA"
+    if config.tls_client_ca_file:
+        assert (args.tls_cert_file, args.tls_key_file) == (config.tls_cert_file, config.tls_key_file), (
+            f"{where}: an mTLS server answers only a probe showing a certificate its CA signed: the pod's own"
+        )
+    assert probe.get("timeoutSeconds", 1) >= 5, f"{where}: `specd health` starts Python; allow it >= 5 s"
+    return args.service
+
+
+def volume_of(template: dict, container: dict, path: str) -> dict | None:
+    """The pod volume mounted where `path` lies, or None."""
+    volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            return volumes[mount["name"]]
+    return None
+
+
+def test_certificates_keys_and_tokens_come_from_secrets_and_both_ends_agree(docs):
+    configs = {}
+    for name, template, container in specd_containers(docs):
+        config = config_of(docs, container)
+        configs[role_of(container)] = config
+        for field in dataclasses.fields(config):
+            path = getattr(config, field.name)
+            if field.name.endswith("_file") and path:
+                volume = volume_of(template, container, path)
+                assert volume is not None and "secret" in volume, f"{name}: --{field.name} {path} is not in a mounted Secret"
+    coordinator = configs["coordinator"]
+    for role in ("target", "draft"):
+        worker = configs[role]
+        assert bool(coordinator.worker_tls_ca_file) == bool(worker.tls_cert_file), (
+            f"the coordinator must reach the {role} over TLS exactly when it serves TLS"
+        )
+        assert bool(coordinator.worker_tls_cert_file) == bool(worker.tls_client_ca_file), (
+            f"the coordinator must show a client certificate exactly when the {role} requires one"
+        )
+    if coordinator.tls_cert_file:
+        for service in ("coordinator", "coordinator-headless"):
+            protocols = {p.get("appProtocol") for p in named(docs, "Service", service)["spec"]["ports"]}
+            assert "kubernetes.io/h2c" not in protocols, f"Service {service}: a TLS coordinator does not speak h2c"
+
+
+def test_some_overlay_serves_tls_with_mtls_workers_and_a_token():
+    """The TLS checks above are not vacuous: one overlay turns it all on."""
+    secure = []
+    for kustomization in KUSTOMIZATIONS:
+        docs = render(kustomization)
+        configs = {role_of(c): config_of(docs, c) for _, _, c in specd_containers(docs)}
+        if all(c.tls_cert_file for c in configs.values()):
+            assert configs["coordinator"].auth_token_file, f"{kustomization}: TLS but no token on Generate"
+            assert configs["target"].tls_client_ca_file and configs["draft"].tls_client_ca_file, kustomization
+            secure.append(kustomization)
+    assert secure, "no kustomization serves TLS"
+
+
+def test_services_bind_every_interface_in_pods():
+    """`specd serve` binds 127.0.0.1 by default; in a pod the Service and probes need the pod IP."""
+    for kustomization in KUSTOMIZATIONS:
+        docs = render(kustomization)
+        for name, _, container in specd_containers(docs):
+            assert config_of(docs, container).host == "0.0.0.0", f"{kustomization}: {name} binds loopback only"
 
 
 def test_startup_budgets_cover_model_loading(docs):
@@ -491,3 +576,9 @@ def test_cpu_image_bakes_the_default_pair_where_cpu_demo_points():
         elif role == "draft":
             expected = f"{workdir}/{pathlib.Path(default_pair.DEFAULT_DRAFT).relative_to(ROOT).as_posix()}"
             assert config_of(docs, container).model == expected, f"the draft must load {expected}"
+
+
+def test_images_bind_every_interface():
+    """Outside Kubernetes too, a container's published ports must reach its servers."""
+    for name in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        assert re.search(r"^\s+SPECD_HOST=0\.0\.0\.0\b", dockerfile(name), re.M), f"{name}: set SPECD_HOST=0.0.0.0"

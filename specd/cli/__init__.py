@@ -1,4 +1,4 @@
-"""The `specd` command: serve, up, generate, bench, trace."""
+"""The `specd` command: serve, up, generate, bench, trace, health."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": "specd.cli.generate",
     "bench": "specd.cli.bench",
     "trace": "specd.cli.trace",
+    "health": "specd.cli.health",
 }
 
 
@@ -38,7 +39,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    return int(args.run(args) or 0)
+    from specd.config import ConfigError
+
+    try:
+        return int(args.run(args) or 0)
+    except ConfigError as exc:  # a setting that cannot work (an unreadable TLS file, ...): no traceback
+        print(f"specd {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from coordinator.config import CoordinatorConfig
+from specd.cli import connect
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -34,6 +35,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=False,
                         help="also run ssd on a stack with tracing disabled and one exporting every span")
     parser.add_argument("--json", dest="json_path", default="", help="write the results to this file")
+    connect.add_arguments(parser)  # TLS and token for the coordinator at --address
     parser.set_defaults(run=run)
 
 
@@ -96,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads)
         verify_times: list[float] = []  # taken in every pass, under the load the modes see
         runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
-        stubs = {name: _stub(addr) for name, addr in {"specd": address, **traced_addresses}.items()}
+        # TLS and the token are the --address stack's; the stacks started here serve plaintext.
+        stubs = {name: _stub(addr, args if name == "specd" and args.address else None)
+                 for name, addr in {"specd": address, **traced_addresses}.items()}
         for stub in stubs.values():
             bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], "off", 8, args.num_speculative_tokens)  # warm-up
         for repeat in range(args.repeats):
@@ -172,12 +176,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stub(address: str):
+def _stub(address: str, connection: argparse.Namespace | None):
     import grpc
 
     from specd.v1 import coordinator_pb2_grpc
 
-    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
+    channel = connect.open_channel(address, connection) if connection else grpc.insecure_channel(address)
+    return coordinator_pb2_grpc.CoordinatorStub(channel)
 
 
 def _tracing_overhead(modes: dict) -> dict:

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from specd.cli import connect
+
 DEFAULT_ADDRESS = "localhost:50051"
 FINISH_REASONS = {0: "", 1: "stop", 2: "length"}
 MODES = ("auto", "ssd", "sd", "off")
@@ -45,6 +47,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--logprobs", action="store_true", help="return each token's target log-probability")
     parser.add_argument("--timeout", type=float, default=600.0, help="request deadline in seconds")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    connect.add_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -127,11 +130,17 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         print("specd generate: --system needs --chat (a system message belongs to a chat)", file=sys.stderr)
         return 2
+    from specd.config import ConfigError
     from specd.v1 import coordinator_pb2_grpc
 
     address = args.address or default_address()
     request = build_request(args)
-    with grpc.insecure_channel(address) as channel:
+    try:
+        channel = connect.open_channel(address, args)
+    except ConfigError as exc:
+        print(f"specd generate: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
             if args.json:
