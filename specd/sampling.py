@@ -15,9 +15,9 @@ import struct
 
 import torch
 
-# The lowest temperature above 0 that a request may ask for (0 itself is greedy). Logits divided
-# by less overflow to inf in float32 and the softmax turns NaN; the coordinator and both workers
-# refuse such settings (specd/wire.py check_sampling).
+# The lowest temperature above 0 that a request may ask for (0 itself is greedy). Lower ones are
+# greedy in effect, and tiny ones (1e-38) overflow the scaled logits to inf and the softmax to
+# NaN; the coordinator and both workers refuse them (specd/wire.py check_sampling).
 MIN_TEMPERATURE = 0.01
 # The same bound as a float32, as temperature travels on the wire: 0.01 sent is 0.0099999998.
 _MIN_TEMPERATURE_WIRE = struct.unpack("<f", struct.pack("<f", MIN_TEMPERATURE))[0]
