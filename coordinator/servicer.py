@@ -62,8 +62,11 @@ def _settle_text(tokens: list[int], text: TextAssembler, eos_ids: frozenset[int]
 
 # Threads for tokenising prompts and detokenising rounds: a request's text work never holds the
 # event loop, so one large prompt does not delay other requests (prompts are bounded in bytes).
+# Requests past _LARGE_REQUEST_BYTES tokenise on threads of their own: a queue of large prompts
+# never holds up a small one.
 _PROMPT_THREADS = 4
 _TEXT_THREADS = 4
+_LARGE_REQUEST_BYTES = 64 * 1024
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -77,19 +80,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_coordinator
         self.metrics = None
         # Separate pools: prompts waiting to be tokenised never delay a running stream's text.
-        self._prompt_pool = concurrent.futures.ThreadPoolExecutor(_PROMPT_THREADS, thread_name_prefix="coordinator-prompt")
-        self._text_pool = concurrent.futures.ThreadPoolExecutor(_TEXT_THREADS, thread_name_prefix="coordinator-text")
+        sizes = {"prompt": _PROMPT_THREADS, "large-prompt": _PROMPT_THREADS, "text": _TEXT_THREADS}
+        self._pools = {
+            name: concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"coordinator-{name}")
+            for name, threads in sizes.items()
+        }
 
     def close(self) -> None:
         """Stop the text threads (once the server has stopped)."""
-        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
-        self._text_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def _resolve(self, request: coordinator_pb2.GenerateRequest) -> ResolvedRequest:
         """resolve() on a prompt thread: it tokenises, or renders a chat template."""
         facts = self._ready_facts()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prompt_pool, resolve, request, facts, self.config)
+        pool = self._pools["large-prompt" if request.ByteSize() > _LARGE_REQUEST_BYTES else "prompt"]
+        return await asyncio.get_running_loop().run_in_executor(pool, resolve, request, facts, self.config)
 
     def _ready_facts(self) -> TargetFacts:
         if self.facts is None:
@@ -141,7 +147,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async for result in rounds:
                 stats.add(result)
                 # One thread hop per round; the commit itself stays on the loop, beside the rounds' tasks.
-                committed, stop_reason = await loop.run_in_executor(self._text_pool, _settle_text, result.tokens, text, eos_ids)
+                committed, stop_reason = await loop.run_in_executor(self._pools["text"], _settle_text, result.tokens, text, eos_ids)
                 gen.committed.extend(committed)
                 if stop_reason:
                     finish_reason = coordinator_pb2.FINISH_REASON_STOP

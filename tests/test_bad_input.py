@@ -7,6 +7,7 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.request import MAX_STOP_BYTES, MAX_STOP_STRINGS
+from coordinator.servicer import _PROMPT_THREADS
 from specd.sampling import MIN_TEMPERATURE
 from specd.v1 import coordinator_pb2 as pb
 from specd.wire import MAX_ID_BYTES
@@ -189,20 +190,23 @@ def test_a_request_id_at_the_limit_is_echoed(stub):
 
 
 def test_a_prompt_being_tokenised_delays_no_other_request(stack, stub):
-    """While a large allowed prompt's tokenising is held mid-way (on its thread), a small request
-    completes: tokenising never holds the event loop. Held on the loop, the small one would miss
-    its deadline."""
+    """While large allowed prompts' tokenising is held mid-way (on their threads), more of them
+    than there are prompt threads, a small request completes: tokenising never holds the event
+    loop, and large prompts queue apart from small ones. Held on the loop, or queued ahead of
+    it, the small request would miss its deadline."""
     tokenizer = stack.coordinator.servicer.facts.tokenizer
     gate = RunnerGate(tokenizer, "encode")
-    big = stub.Generate.future(request(prompt="def add(a, b):\n" * 20_000, max_new_tokens=4), timeout=CALL_TIMEOUT_S)
+    large = request(prompt="def add(a, b):\n" * 20_000, max_new_tokens=4)
+    bigs = [stub.Generate.future(large, timeout=CALL_TIMEOUT_S) for _ in range(_PROMPT_THREADS + 1)]
     try:
-        assert gate.held.wait(CALL_TIMEOUT_S), "the large prompt never reached the tokenizer"
+        assert gate.held.wait(CALL_TIMEOUT_S), "no large prompt reached the tokenizer"
         small = stub.Generate(request(GOOD_IDS, max_new_tokens=4), timeout=20.0)
         assert len(small.token_ids) == 4
-        assert not big.done()
+        assert not any(big.done() for big in bigs)
     finally:
         gate.release()
-    with pytest.raises(grpc.RpcError) as raised:
-        big.result(timeout=CALL_TIMEOUT_S)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # tokenised: far more tokens than the context
-    assert "context length" in raised.value.details()
+    for big in bigs:
+        with pytest.raises(grpc.RpcError) as raised:
+            big.result(timeout=CALL_TIMEOUT_S)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # tokenised: far more tokens than the context
+        assert "context length" in raised.value.details()
