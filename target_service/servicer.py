@@ -140,6 +140,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             done, _ = await asyncio.wait({answer}, timeout=self._verify_after_wait_s)
         except asyncio.CancelledError:
             self._outcomes.discard(request.session_id, waiter)
+            answer.cancel()  # a choice already running goes on; its result is nobody's
             raise
         if not done:
             self._outcomes.discard(request.session_id, waiter)  # a choice already running goes on
