@@ -29,6 +29,9 @@ class CoordinatorConfig:
     max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
     default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
+    max_prompt_bytes: int = setting(
+        1 << 20, "largest prompt a request may send, in UTF-8 bytes (prompt, or the chat messages together), checked before tokenising"
+    )
     ssd_budget: int = setting(16, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
     ssd_fanout_r: float = setting(0.5, "ssd: exponent r of the power-law miss rate; fan-out F_k ~ P(k)^(1/(1+r))")
     # ngram measured ahead of jit on the demo pair (tools/measure_ssd.py, docs/ssd.md): 98 vs 88
@@ -73,6 +76,8 @@ class CoordinatorConfig:
             raise ConfigError("--max-support must be >= 1")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ConfigError("--default-max-new-tokens must lie in [1, --max-new-tokens-limit]")
+        if self.max_prompt_bytes < 1:
+            raise ConfigError("--max-prompt-bytes must be >= 1")
         if self.ssd_budget < 0:
             raise ConfigError("--ssd-budget must be >= 0")
         if self.ssd_fanout_r < 0:

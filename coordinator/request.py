@@ -9,7 +9,7 @@ from coordinator.config import MAX_SPECULATIVE_TOKENS, CoordinatorConfig
 from specd.sampling import SamplingSettings
 from specd.serving import InvalidRequest
 from specd.v1 import coordinator_pb2
-from specd.wire import check_token_ids, sampling_from_proto
+from specd.wire import check_id_length, check_token_ids, sampling_from_proto
 
 MODE_NAMES = {
     coordinator_pb2.SPECULATION_MODE_AUTO: "auto",
@@ -18,6 +18,9 @@ MODE_NAMES = {
     coordinator_pb2.SPECULATION_MODE_OFF: "off",
 }
 MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
+# Stop strings are searched for after every token: a bounded number of bounded strings.
+MAX_STOP_STRINGS = 32
+MAX_STOP_BYTES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +50,11 @@ class ResolvedRequest:
 
 
 def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig) -> ResolvedRequest:
-    prompt_ids = _prompt_ids(request, target)
-    if len(prompt_ids) >= target.context_length:
-        raise InvalidRequest(
-            f"prompt has {len(prompt_ids)} tokens but the model's context length is "
-            f"{target.context_length}: shorten the prompt"
-        )
+    """The request checked and its prompt tokenised: CPU work a caller sizes, so run it off the
+    event loop; the prompt's size in bytes is checked before any tokenising."""
+    check_id_length(request.request_id, "request_id")
+    prompt_ids = _prompt_ids(request, target, config.max_prompt_bytes)
+    _check_prompt_length(len(prompt_ids), target.context_length)
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
     if max_new <= 0:
         raise InvalidRequest(f"max_new_tokens must be > 0, got {max_new}")
@@ -60,8 +62,7 @@ def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, confi
         raise InvalidRequest(f"max_new_tokens must be <= {config.max_new_tokens_limit}, got {max_new}")
     defaults = dataclasses.replace(target.default_sampling, seed=secrets.randbits(63))
     sampling = sampling_from_proto(request.sampling, defaults)
-    if any(not s for s in request.stop):
-        raise InvalidRequest("stop: stop strings must be non-empty")
+    _check_stop(request.stop)
     spec = request.speculation
     if spec.mode not in MODE_NAMES:
         raise InvalidRequest(f"speculation.mode {spec.mode} is not one of auto, ssd, sd, off")
@@ -83,25 +84,57 @@ def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, confi
     )
 
 
-def _prompt_ids(request: coordinator_pb2.GenerateRequest, target: TargetFacts) -> list[int]:
+def _check_prompt_length(tokens: int, context_length: int) -> None:
+    if tokens >= context_length:
+        raise InvalidRequest(
+            f"prompt has {tokens} tokens but the model's context length is {context_length}: shorten the prompt"
+        )
+
+
+def _check_stop(stop) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop: {len(stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    if any(not s for s in stop):
+        raise InvalidRequest("stop: stop strings must be non-empty")
+    longest = max((len(s.encode("utf-8", "surrogatepass")) for s in stop), default=0)
+    if longest > MAX_STOP_BYTES:
+        raise InvalidRequest(f"stop: a stop string of {longest} bytes; at most {MAX_STOP_BYTES}")
+
+
+def _check_prompt_bytes(size: int, limit: int, field: str) -> None:
+    if size > limit:
+        raise InvalidRequest(f"{field} is {size} bytes; at most {limit} (--max-prompt-bytes)")
+
+
+def _prompt_ids(request: coordinator_pb2.GenerateRequest, target: TargetFacts, max_bytes: int) -> list[int]:
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidRequest("prompt is empty: set one of prompt, prompt_token_ids or messages")
     if which == "prompt":
         if not request.prompt:
             raise InvalidRequest("prompt is empty")
+        _check_prompt_bytes(len(request.prompt.encode("utf-8", "surrogatepass")), max_bytes, "prompt")
         return list(target.tokenizer.encode(request.prompt, add_special_tokens=True))
     if which == "prompt_token_ids":
-        if not request.prompt_token_ids.ids:
+        ids = request.prompt_token_ids.ids
+        if not ids:
             raise InvalidRequest("prompt_token_ids is empty")
-        return check_token_ids(request.prompt_token_ids.ids, target.vocab_size, "prompt_token_ids")
-    messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-    if not messages:
+        _check_prompt_length(len(ids), target.context_length)  # before looking at each id
+        return check_token_ids(ids, target.vocab_size, "prompt_token_ids")
+    return _message_ids(request.messages.messages, target, max_bytes)
+
+
+def _message_ids(chat: list[coordinator_pb2.ChatMessage], target: TargetFacts, max_bytes: int) -> list[int]:
+    """The chat messages rendered with the tokenizer's chat template, then tokenised."""
+    if not chat:
         raise InvalidRequest("messages is empty")
-    if any(not m["role"] for m in messages):
+    if any(not m.role for m in chat):
         raise InvalidRequest("messages: every message needs a role")
+    size = sum(len(m.role.encode("utf-8", "surrogatepass")) + len(m.content.encode("utf-8", "surrogatepass")) for m in chat)
+    _check_prompt_bytes(size, max_bytes, "messages (roles and contents together)")
     if not getattr(target.tokenizer, "chat_template", None):
         raise InvalidRequest("messages: the target's tokenizer has no chat template; send a prompt instead")
+    messages = [{"role": m.role, "content": m.content} for m in chat]
     try:
         rendered = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template error is the caller's to fix

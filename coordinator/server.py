@@ -111,6 +111,7 @@ async def start_coordinator(
     service = RunningService(server, port, health_state, thread=None)
     service.servicer = servicer
     service.tracer_provider = provider
+    service.closers.append(servicer.close)
     servicer.metrics.serve_for(service, config.host, config.metrics_port)
     await health_state.set(NOT_SERVING)
     await server.start()

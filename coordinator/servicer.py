@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -47,15 +48,25 @@ class Finish:
     stats: coordinator_pb2.SpeculationStats
 
 
-def _commit(tokens: list[int], committed: list[int], text: TextAssembler, eos_ids: frozenset[int]) -> tuple[list[int], str]:
-    """Commit a round's tokens up to the first stop condition; (tokens committed, stop reason)."""
+def _settle_text(tokens: list[int], text: TextAssembler, eos_ids: frozenset[int]) -> tuple[list[int], str]:
+    """Add a round's tokens to the text up to the first stop condition; (tokens to commit, stop reason).
+
+    Runs on a text thread: it decodes, whose cost grows with the tokens and stop strings."""
     for count, token in enumerate(tokens, 1):
-        committed.append(token)
         if text.add(token):
             return tokens[:count], text.stop_string
         if token in eos_ids:
             return tokens[:count], "eos"
     return tokens, ""
+
+
+# Threads for tokenising prompts and detokenising rounds: a request's text work never holds the
+# event loop, so one large prompt does not delay other requests (prompts are bounded in bytes).
+# Requests past _LARGE_REQUEST_BYTES tokenise on threads of their own: a queue of large prompts
+# never holds up a small one.
+_PROMPT_THREADS = 4
+_TEXT_THREADS = 4
+_LARGE_REQUEST_BYTES = 64 * 1024
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -68,6 +79,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.ssd_sizing = Sizing(max_budget=config.ssd_budget)
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_coordinator
         self.metrics = None
+        # Separate pools: prompts waiting to be tokenised never delay a running stream's text.
+        sizes = {"prompt": _PROMPT_THREADS, "large-prompt": _PROMPT_THREADS, "text": _TEXT_THREADS}
+        self._pools = {
+            name: concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"coordinator-{name}")
+            for name, threads in sizes.items()
+        }
+
+    def close(self) -> None:
+        """Stop the text threads (once the server has stopped)."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _resolve(self, request: coordinator_pb2.GenerateRequest) -> ResolvedRequest:
+        """resolve() on a prompt thread: it tokenises, or renders a chat template."""
+        facts = self._ready_facts()
+        pool = self._pools["large-prompt" if request.ByteSize() > _LARGE_REQUEST_BYTES else "prompt"]
+        return await asyncio.get_running_loop().run_in_executor(pool, resolve, request, facts, self.config)
 
     def _ready_facts(self) -> TargetFacts:
         if self.facts is None:
@@ -115,9 +143,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             else:
                 start_target_prefill(gen, self.target)
                 rounds = sd_rounds(gen, self.target, self.draft)
+            loop = asyncio.get_running_loop()
             async for result in rounds:
                 stats.add(result)
-                committed, stop_reason = _commit(result.tokens, gen.committed, text, eos_ids)
+                # One thread hop per round; the commit itself stays on the loop, beside the rounds' tasks.
+                committed, stop_reason = await loop.run_in_executor(self._pools["text"], _settle_text, result.tokens, text, eos_ids)
+                gen.committed.extend(committed)
                 if stop_reason:
                     finish_reason = coordinator_pb2.FINISH_REASON_STOP
                 chunk_logprobs = result.logprobs[: len(committed)] if request.return_logprobs else []
@@ -179,7 +210,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _generate(self, request, context, trace_id: str):
         try:
-            resolved = resolve(request, self._ready_facts(), self.config)
+            resolved = await self._resolve(request)
             async for event in self.generate(resolved):
                 if isinstance(event, Finish):
                     return coordinator_pb2.GenerateResponse(
@@ -198,7 +229,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _generate_stream(self, request, context, trace_id: str):
         try:
-            resolved = resolve(request, self._ready_facts(), self.config)
+            resolved = await self._resolve(request)
             async for event in self.generate(resolved):
                 if isinstance(event, Chunk):
                     if event.token_ids or event.text:

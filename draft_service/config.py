@@ -15,8 +15,18 @@ class DraftConfig(WorkerConfig):
     port: int = setting(50053, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(9403, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     max_support: int = setting(64, "at temperature > 0, truncate each q to its top-N tokens")
+    # Bounds on one call's work, so that no caller holds the model thread for long: 8x the
+    # coordinator's default --ssd-budget (16), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
+    max_speculate_branches: int = setting(
+        128, "Speculate: most branches one call may ask for (its fan-out's sum); keep >= the coordinator's --ssd-budget"
+    )
+    max_speculate_depth: int = setting(
+        32, "most draft tokens one Propose, or one Speculate per branch, may ask for, and most tokens a Speculate verifies beside"
+    )
 
     def validate(self) -> None:
         super().validate()
         if self.max_support < 1:
             raise ConfigError("--max-support must be >= 1")
+        if self.max_speculate_branches < 1 or self.max_speculate_depth < 1:
+            raise ConfigError("--max-speculate-branches and --max-speculate-depth must be >= 1")

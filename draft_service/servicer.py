@@ -10,15 +10,16 @@ from draft_service.speculation import SpeculationCancelled
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
 from specd.telemetry import get_tracer, set_specd, worker_span
 from specd.v1 import draft_pb2, draft_pb2_grpc
-from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
-
-MAX_DRAFT_TOKENS = 64
-MAX_BRANCHES = 512  # one tree step feeds this many tokens at most
+from specd.wire import check_id_length, check_session_id, check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, thread: ModelThread):
+    def __init__(self, thread: ModelThread, max_branches: int, max_depth: int):
+        """max_branches: most branches per Speculate; max_depth: most draft tokens per Propose,
+        per Speculate branch, and verified beside one Speculate (DraftConfig)."""
         self._thread = thread
+        self._max_branches = max_branches
+        self._max_depth = max_depth
         self.runner: DraftModelRunner | None = None  # set once the model is loaded
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_draft
         self.metrics = None
@@ -55,8 +56,8 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             runner = self._ready_runner()
             loaded = runner.loaded
             check_session_id(request.session_id)
-            if not 1 <= request.num_tokens <= MAX_DRAFT_TOKENS:
-                raise InvalidRequest(f"num_tokens must lie in [1, {MAX_DRAFT_TOKENS}], got {request.num_tokens}")
+            if not 1 <= request.num_tokens <= self._max_depth:
+                raise InvalidRequest(f"num_tokens must lie in [1, {self._max_depth}], got {request.num_tokens}")
             tokens = check_committed(
                 request.committed, loaded.vocab_size, loaded.context_length, request.num_tokens
             )
@@ -87,16 +88,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             runner = self._ready_runner()
             loaded = runner.loaded
             check_session_id(request.session_id)
-            draft_tokens = check_token_ids(request.draft_tokens, loaded.vocab_size, "draft_tokens")
-            fanout = list(request.fanout)
-            if len(fanout) != len(draft_tokens) + 1:
-                raise InvalidRequest(
-                    f"fanout needs one entry per outcome k in 0..K: {len(draft_tokens) + 1}, got {len(fanout)}"
-                )
-            if sum(fanout) > MAX_BRANCHES:
-                raise InvalidRequest(f"fanout sums to {sum(fanout)} branches; at most {MAX_BRANCHES}")
-            if not 0 <= request.num_tokens <= MAX_DRAFT_TOKENS:
-                raise InvalidRequest(f"num_tokens must lie in [0, {MAX_DRAFT_TOKENS}], got {request.num_tokens}")
+            draft_tokens, fanout = self._check_speculate_size(request, loaded.vocab_size)
             tokens = check_committed(
                 request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens
             )
@@ -150,9 +142,26 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         ]
         yield draft_pb2.SpeculateResponse(cache=draft_pb2.SpeculationCache(entries=entries, forward_ms=result.forward_ms))
 
+    def _check_speculate_size(self, request, vocab_size: int) -> tuple[list[int], list[int]]:
+        """A Speculate's draft tokens and fan-out, within this worker's bounds on one call's work."""
+        if len(request.draft_tokens) > self._max_depth:
+            raise InvalidRequest(f"draft_tokens has {len(request.draft_tokens)} tokens; at most {self._max_depth}")
+        draft_tokens = check_token_ids(request.draft_tokens, vocab_size, "draft_tokens")
+        fanout = list(request.fanout)
+        if len(fanout) != len(draft_tokens) + 1:
+            raise InvalidRequest(
+                f"fanout needs one entry per outcome k in 0..K: {len(draft_tokens) + 1}, got {len(fanout)}"
+            )
+        if sum(fanout) > self._max_branches:
+            raise InvalidRequest(f"fanout sums to {sum(fanout)} branches; at most {self._max_branches} (--max-speculate-branches)")
+        if not 0 <= request.num_tokens <= self._max_depth:
+            raise InvalidRequest(f"num_tokens must lie in [0, {self._max_depth}] (--max-speculate-depth), got {request.num_tokens}")
+        return draft_tokens, fanout
+
     async def EndSession(self, request, context):
         try:
             runner = self._ready_runner()
+            check_id_length(request.session_id, "session_id")
             existed = await self._thread.run(runner.end_session, request.session_id)
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)

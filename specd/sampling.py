@@ -10,9 +10,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import math
 import struct
 
 import torch
+
+# The lowest temperature above 0 that a request may ask for (0 itself is greedy). Lower ones are
+# greedy in effect, and tiny ones (1e-38) overflow the scaled logits to inf and the softmax to
+# NaN; the coordinator and both workers refuse them (specd/wire.py check_sampling).
+MIN_TEMPERATURE = 0.01
+# The same bound as a float32, as temperature travels on the wire: 0.01 sent is 0.0099999998.
+_MIN_TEMPERATURE_WIRE = struct.unpack("<f", struct.pack("<f", MIN_TEMPERATURE))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +35,18 @@ class SamplingSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sampling_problem(settings: SamplingSettings) -> str | None:
+    """Why `settings` cannot reach a sampler (a message naming the field), or None if they can."""
+    temperature = settings.temperature
+    if not math.isfinite(temperature) or not (temperature == 0.0 or temperature >= _MIN_TEMPERATURE_WIRE):
+        return f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}"
+    if settings.top_k < 0:
+        return f"top_k must be >= 0 (0 = off), got {settings.top_k}"
+    if not 0 < settings.top_p <= 1:  # also refuses NaN
+        return f"top_p must lie in (0, 1] (1 = off), got {settings.top_p}"
+    return None
 
 
 class Purpose(enum.IntEnum):
@@ -123,4 +143,9 @@ def sample_sparse(dist: SparseDist, uniform: float) -> int:
         cumulative += prob
         if target < cumulative and prob > 0:
             return token
-    return next(t for t, p in zip(reversed(dist.token_ids), reversed(dist.probs)) if p > 0)
+    for token, prob in zip(reversed(dist.token_ids), reversed(dist.probs)):
+        if prob > 0:
+            return token
+    # Not StopIteration (a bare next()): raised on a model thread it cannot be set on the
+    # asyncio future that awaits the call, which then never completes.
+    raise ValueError("the distribution has no positive probability to sample from")

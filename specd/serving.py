@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.session_cache import SessionNotFound, SessionStale, TooManySessions
+from specd.undecodable import UndecodableInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,15 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
 ]
 
 
+def no_stop_iteration(fn: Callable, *args):
+    """`fn(*args)`, with a StopIteration it raises turned into a RuntimeError: asyncio cannot set
+    StopIteration on a future, so the call awaiting it would never complete."""
+    try:
+        return fn(*args)
+    except StopIteration as exc:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} raised StopIteration") from exc
+
+
 class ModelThread:
     """One thread per model: forwards never run on the event loop, and never two at once."""
 
@@ -39,12 +49,12 @@ class ModelThread:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, no_stop_iteration, fn, *args)
 
     def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
         """Queue `fn(*args)` behind the work already queued, from any thread (the model
         thread included: work it queues for itself runs without a turn of the event loop)."""
-        return self._executor.submit(fn, *args)
+        return self._executor.submit(no_stop_iteration, fn, *args)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -125,7 +135,7 @@ def create_server(
     """A grpc.aio server with the given servicers, health and reflection; returns the bound port.
 
     credentials (specd.tls.server_credentials): serve TLS or mTLS; None serves plaintext."""
-    server = grpc.aio.server(interceptors=interceptors or [], options=SERVER_OPTIONS)
+    server = grpc.aio.server(interceptors=[UndecodableInterceptor(), *(interceptors or [])], options=SERVER_OPTIONS)
     register(server)
     health_state = HealthState(service_full_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)

@@ -120,3 +120,7 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions

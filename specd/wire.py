@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from specd.sampling import SamplingSettings, SparseDist
+import math
+
+from specd.sampling import SamplingSettings, SparseDist, sampling_problem
 from specd.serving import InvalidRequest
 from specd.v1 import common_pb2
+
+# Longest session_id a worker takes, and request_id the coordinator takes (UTF-8 bytes): ids
+# are keys and log fields, not payloads, and a request_id is echoed back to its caller.
+MAX_ID_BYTES = 256
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams, defaults: SamplingSettings) -> SamplingSettings:
@@ -20,12 +26,9 @@ def sampling_from_proto(message: common_pb2.SamplingParams, defaults: SamplingSe
 
 
 def check_sampling(settings: SamplingSettings) -> None:
-    if not settings.temperature >= 0:  # also rejects NaN
-        raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {settings.temperature}")
-    if settings.top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {settings.top_k}")
-    if not 0 < settings.top_p <= 1:
-        raise InvalidRequest(f"top_p must lie in (0, 1] (1 = off), got {settings.top_p}")
+    problem = sampling_problem(settings)
+    if problem is not None:
+        raise InvalidRequest(problem)
 
 
 def sampling_to_proto(settings: SamplingSettings) -> common_pb2.SamplingParams:
@@ -43,23 +46,32 @@ def sparse_from_proto(message: common_pb2.SparseDistribution, vocab_size: int, f
     probs = list(message.probs)
     if not ids or len(ids) != len(probs):
         raise InvalidRequest(f"{field}: token_ids and probs must be non-empty and of equal length")
+    if len(ids) > vocab_size:
+        raise InvalidRequest(f"{field}: {len(ids)} entries for a vocabulary of {vocab_size}")
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise InvalidRequest(f"{field}: token ids must lie in [0, {vocab_size})")
-    if min(probs) < 0 or not sum(probs) > 0:
-        raise InvalidRequest(f"{field}: probabilities must be >= 0 with a positive sum")
+    if not all(math.isfinite(p) and p >= 0 for p in probs) or not math.isfinite(sum(probs)) or not sum(probs) > 0:
+        raise InvalidRequest(f"{field}: probabilities must be finite and >= 0 with a positive sum")
     return SparseDist(token_ids=ids, probs=probs)
+
+
+def check_id_length(value: str, field: str) -> None:
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_ID_BYTES:
+        raise InvalidRequest(f"{field} is {size} bytes long; at most {MAX_ID_BYTES}")
 
 
 def check_session_id(session_id: str) -> None:
     if not session_id:
         raise InvalidRequest("session_id is empty")
+    check_id_length(session_id, "session_id")
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
     ids = list(ids)
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise InvalidRequest(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 

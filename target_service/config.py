@@ -19,6 +19,9 @@ class TargetConfig(WorkerConfig):
         1800.0, "tensor parallel: collective timeout of the command group ranks wait in between requests"
     )
     tp_heartbeat_s: float = setting(5.0, "tensor parallel: rank 0 broadcasts a heartbeat after this long idle")
+    verify_after_wait_s: float = setting(
+        60.0, "VerifyAfter: answer unmatched (nothing ran) if the verify it follows has not run after this long"
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -26,3 +29,5 @@ class TargetConfig(WorkerConfig):
             raise ConfigError("--tensor-parallel must be >= 1")
         if not 0 < self.tp_heartbeat_s < self.tp_timeout_s:
             raise ConfigError("--tp-heartbeat-s must be > 0 and shorter than --tp-timeout-s")
+        if self.verify_after_wait_s <= 0:
+            raise ConfigError("--verify-after-wait-s must be > 0")

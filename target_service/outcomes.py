@@ -16,6 +16,8 @@ import dataclasses
 import threading
 from typing import Callable
 
+from specd.serving import no_stop_iteration
+
 Outcome = tuple[int, int]  # (k, t*)
 
 
@@ -72,6 +74,11 @@ class VerifyOutcomes:
         self._settle(waiter, latest[1] if latest[0] == committed else None)
         return waiter
 
+    def knows(self, session_id: str) -> bool:
+        """Whether a verify of the session has been recorded (and the session not forgotten)."""
+        with self._lock:
+            return session_id in self._latest
+
     def discard(self, session_id: str, waiter: Waiter) -> None:
         """The caller gave up on `waiter` (a cancelled call): its choice is not run."""
         with self._lock:
@@ -106,7 +113,7 @@ class VerifyOutcomes:
         if not waiter.answer.set_running_or_notify_cancel():
             return
         try:
-            waiter.answer.set_result(self._run_choice(choice))
+            waiter.answer.set_result(no_stop_iteration(self._run_choice, choice))
         except BaseException as exc:  # noqa: BLE001 - the caller's RPC reports it
             waiter.answer.set_exception(exc)
 

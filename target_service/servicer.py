@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 
 from specd.sampling import SamplingSettings, SparseDist
 from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
+from specd.session_cache import SessionNotFound
 from specd.telemetry import get_tracer, set_specd, worker_span
 from specd.v1 import target_pb2, target_pb2_grpc
-from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
+from specd.wire import check_id_length, check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from target_service.outcomes import VerifyOutcomes
 from target_service.runner import TargetModelRunner, VerifyOutcome
 
@@ -45,9 +47,11 @@ class _Timed:
 
 
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, thread: ModelThread, tensor_parallel: int = 1):
+    def __init__(self, thread: ModelThread, verify_after_wait_s: float, tensor_parallel: int = 1):
         self._thread = thread
         self._tensor_parallel = tensor_parallel
+        self._verify_after_wait_s = verify_after_wait_s  # the longest a VerifyAfter waits (TargetConfig)
+        self._verifying: collections.Counter[str] = collections.Counter()  # Verify calls in flight per session
         self.runner: TargetModelRunner | None = None  # set once the model is loaded
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_target
         self.metrics = None
@@ -80,11 +84,17 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         try:
             runner = self._ready_runner()
             prepared = self._prepare(runner, request)
-            with worker_span(
-                self.tracer, "spec_verify", tokens_verified=prepared.num_draft + 1, new_committed_tokens=len(prepared.tokens)
-            ) as span:
-                timed = await self._thread.run(self._verify_and_record, runner, prepared)
-                set_specd(span, forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus)
+            self._verifying[prepared.session_id] += 1  # a VerifyAfter may follow it
+            try:
+                with worker_span(
+                    self.tracer, "spec_verify", tokens_verified=prepared.num_draft + 1, new_committed_tokens=len(prepared.tokens)
+                ) as span:
+                    timed = await self._thread.run(self._verify_and_record, runner, prepared)
+                    set_specd(span, forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus)
+            finally:
+                self._verifying[prepared.session_id] -= 1
+                if not self._verifying[prepared.session_id]:
+                    del self._verifying[prepared.session_id]
             response = self._response(timed.outcome)
         except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
@@ -92,21 +102,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
 
     async def VerifyAfter(self, request, context):
         try:
-            self._ready_runner()
-            check_session_id(request.session_id)
-            for i, choice in enumerate(request.choices):
-                if choice.verify.session_id != request.session_id or choice.verify.committed.start != request.after:
-                    raise InvalidRequest(
-                        f"choices[{i}].verify must continue session {request.session_id!r} at position {request.after}"
-                    )
-            # Checked in full only once chosen, on the model thread (most choices never run).
-            choices = {(c.accepted, c.next_token): c.verify for c in request.choices}
-            waiter = self._outcomes.expect(request.session_id, request.after, choices)
-            try:
-                timed = await asyncio.wrap_future(waiter.answer)
-            except asyncio.CancelledError:
-                self._outcomes.discard(request.session_id, waiter)
-                raise
+            self._check_verify_after(self._ready_runner(), request)
+            timed = await self._wait_for_choice(request)
             response = target_pb2.VerifyAfterResponse(matched=False)
             if timed is not None:
                 self._record_span(timed)
@@ -114,6 +111,42 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
         return response
+
+    def _check_verify_after(self, runner: TargetModelRunner, request) -> None:
+        """A VerifyAfter's choices continue its session where it says, in a session this worker
+        knows: one that waited on a verify never sent would wait for good."""
+        check_session_id(request.session_id)
+        for i, choice in enumerate(request.choices):
+            if choice.verify.session_id != request.session_id or choice.verify.committed.start != request.after:
+                raise InvalidRequest(
+                    f"choices[{i}].verify must continue session {request.session_id!r} at position {request.after}"
+                )
+        known = (
+            request.session_id in self._verifying
+            or request.session_id in runner.sessions
+            or self._outcomes.knows(request.session_id)
+        )
+        if not known:
+            raise SessionNotFound(f"session {request.session_id!r} is not on this worker: nothing to verify after")
+
+    async def _wait_for_choice(self, request) -> _Timed | None:
+        """The chosen verify's result once the verify it follows has run; None when nothing ran
+        (no choice for its outcome, the session moved on or ended, or the wait's bound passed)."""
+        # Checked in full only once chosen, on the model thread (most choices never run).
+        choices = {(c.accepted, c.next_token): c.verify for c in request.choices}
+        waiter = self._outcomes.expect(request.session_id, request.after, choices)
+        answer = asyncio.wrap_future(waiter.answer)
+        try:
+            done, _ = await asyncio.wait({answer}, timeout=self._verify_after_wait_s)
+        except asyncio.CancelledError:
+            self._outcomes.discard(request.session_id, waiter)
+            answer.cancel()  # a choice already running goes on; its result is nobody's
+            raise
+        if not done:
+            self._outcomes.discard(request.session_id, waiter)  # a choice already running goes on
+            if waiter.answer.cancelled():
+                return None
+        return await answer
 
     def _prepare(self, runner: TargetModelRunner, request) -> _Prepared:
         """A VerifyRequest checked against the model, as the runner takes it."""
@@ -175,6 +208,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     async def EndSession(self, request, context):
         try:
             runner = self._ready_runner()
+            check_id_length(request.session_id, "session_id")
             self._outcomes.forget(request.session_id)
             existed = await self._thread.run(runner.end_session, request.session_id)
         except Exception as exc:  # noqa: BLE001

@@ -38,7 +38,7 @@ async def start_target(
     return await start_worker(
         "target",
         config,
-        lambda thread: TargetServicer(thread, tensor_parallel=config.tensor_parallel),
+        lambda thread: TargetServicer(thread, config.verify_after_wait_s, tensor_parallel=config.tensor_parallel),
         target_pb2_grpc.add_TargetWorkerServicer_to_server,
         SERVICE_NAME,
         load or (lambda: load_runner(config)),

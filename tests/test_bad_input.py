@@ -5,18 +5,30 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from coordinator.config import CoordinatorConfig
+from coordinator.request import MAX_STOP_BYTES, MAX_STOP_STRINGS
+from coordinator.servicer import _PROMPT_THREADS
+from specd.sampling import MIN_TEMPERATURE
 from specd.v1 import coordinator_pb2 as pb
+from specd.wire import MAX_ID_BYTES
 from tests.conftest import CALL_TIMEOUT_S, request, running_stack
+from tests.stack import RunnerGate
 
 VOCAB = 384  # tests/tiny_models.build_tokenizer
 CONTEXT = 512  # max_position_embeddings of the tiny models
 GOOD_IDS = [5, 6, 7]
+MAX_PROMPT_BYTES = CoordinatorConfig.max_prompt_bytes  # the default, which the stack keeps
 
 
 @pytest.fixture(scope="module")
-def stub(tiny_pair):
+def stack(tiny_pair):
     with running_stack(*tiny_pair) as running:
-        yield running.stub()
+        yield running
+
+
+@pytest.fixture(scope="module")
+def stub(stack):
+    return stack.stub()
 
 
 def _set(**fields):
@@ -99,6 +111,21 @@ CASES = {
     "num_speculative_tokens 33": (_speculation(num_speculative_tokens=33), "num_speculative_tokens"),
     "unknown speculation mode": (_speculation(mode=7), "speculation.mode"),
     "empty stop string": (_stop("ok", ""), "stop"),
+    # Sampling values no sampler can take (issue 20: 1e-38 made the probabilities NaN).
+    "temperature inf": (_sampling(temperature=float("inf")), "temperature"),
+    "temperature -inf": (_sampling(temperature=float("-inf")), "temperature"),
+    "temperature 1e-38": (_sampling(temperature=1e-38), "temperature"),
+    "temperature just under the minimum": (_sampling(temperature=MIN_TEMPERATURE / 2), "temperature"),
+    "top_p NaN": (_sampling(temperature=1.0, top_p=float("nan")), "top_p"),
+    "top_p inf": (_sampling(temperature=1.0, top_p=float("inf")), "top_p"),
+    # Sizes checked before any work is done for them.
+    "request_id of 1 MiB": (_set(request_id="r" * (1 << 20)), "request_id"),
+    "request_id one byte too long": (_set(request_id="é" * (MAX_ID_BYTES // 2) + "x"), "request_id"),
+    "prompt over max_prompt_bytes": (_set(prompt="a" * (MAX_PROMPT_BYTES + 1)), "prompt"),
+    "prompt over max_prompt_bytes in UTF-8": (_set(prompt="é" * (MAX_PROMPT_BYTES // 2 + 1)), "prompt"),
+    "messages over max_prompt_bytes": (_messages(("user", "a" * (MAX_PROMPT_BYTES // 2)), ("user", "b" * (MAX_PROMPT_BYTES // 2))), "messages"),
+    "too many stop strings": (_stop(*[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), "stop"),
+    "stop string too long": (_stop("x" * (MAX_STOP_BYTES + 1)), "stop"),
 }
 
 
@@ -123,6 +150,7 @@ def test_bad_input_is_invalid_argument(stub, name):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, error.code(), error.details())
         assert field in error.details(), (name, error.details())
         assert "Traceback" not in error.details()
+        assert len(error.details()) < 1000, (name, "the details echo the request")
 
 
 def test_prompt_near_the_context_stops_at_the_context(stub):
@@ -133,3 +161,52 @@ def test_prompt_near_the_context_stops_at_the_context(stub):
         assert response.usage.prompt_tokens == prompt_len
         assert response.usage.completion_tokens == CONTEXT - prompt_len
         assert response.usage.total_tokens == CONTEXT
+
+
+def test_prompt_limits_name_the_limit(stub):
+    """Over --max-prompt-bytes the answer names the field, the size sent and the limit."""
+    for mutate, field in ((_set(prompt="a" * (MAX_PROMPT_BYTES + 1)), "prompt"),
+                          (_messages(("user", "a" * MAX_PROMPT_BYTES)), "messages")):
+        message = _good()
+        mutate(message)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Generate(message, timeout=CALL_TIMEOUT_S)
+        details = raised.value.details()
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith(field) and str(MAX_PROMPT_BYTES) in details and "--max-prompt-bytes" in details, details
+
+
+def test_sampling_at_the_limits_is_served(stub):
+    """The documented minimum temperature (sent as a float32) and a huge finite one both serve."""
+    for temperature in (MIN_TEMPERATURE, 3.0e38):
+        response = stub.Generate(request(GOOD_IDS, max_new_tokens=4, temperature=temperature, seed=7), timeout=CALL_TIMEOUT_S)
+        assert len(response.token_ids) == 4 and all(0 <= t < VOCAB for t in response.token_ids)
+
+
+def test_a_request_id_at_the_limit_is_echoed(stub):
+    request_id = "r" * MAX_ID_BYTES
+    response = stub.Generate(request(GOOD_IDS, max_new_tokens=2, request_id=request_id), timeout=CALL_TIMEOUT_S)
+    assert response.request_id == request_id
+
+
+def test_a_prompt_being_tokenised_delays_no_other_request(stack, stub):
+    """While large allowed prompts' tokenising is held mid-way (on their threads), more of them
+    than there are prompt threads, a small request completes: tokenising never holds the event
+    loop, and large prompts queue apart from small ones. Held on the loop, or queued ahead of
+    it, the small request would miss its deadline."""
+    tokenizer = stack.coordinator.servicer.facts.tokenizer
+    gate = RunnerGate(tokenizer, "encode")
+    large = request(prompt="def add(a, b):\n" * 20_000, max_new_tokens=4)
+    bigs = [stub.Generate.future(large, timeout=CALL_TIMEOUT_S) for _ in range(_PROMPT_THREADS + 1)]
+    try:
+        assert gate.held.wait(CALL_TIMEOUT_S), "no large prompt reached the tokenizer"
+        small = stub.Generate(request(GOOD_IDS, max_new_tokens=4), timeout=20.0)
+        assert len(small.token_ids) == 4
+        assert not any(big.done() for big in bigs)
+    finally:
+        gate.release()
+    for big in bigs:
+        with pytest.raises(grpc.RpcError) as raised:
+            big.result(timeout=CALL_TIMEOUT_S)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # tokenised: far more tokens than the context
+        assert "context length" in raised.value.details()
