@@ -50,7 +50,15 @@ class CoordinatorConfig:
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
-    draft_retry_s: float = setting(2.0, "after a draft failure, decode target-only this long before retrying")
+    draft_retry_s: float = setting(
+        2.0, "a draft that failed or timed out is health-checked this often; rounds go target-only until it answers"
+    )
+    # A hung draft fails no call: rounds would wait the whole worker timeout for it (docs/ssd.md,
+    # "When a worker fails"). 4 verifications leave a busy draft room; the floor covers tiny verifies.
+    draft_wait_verifies: float = setting(
+        4.0, "a round waits for the draft at most this many times the request's latest measured target call, then takes its backup"
+    )
+    draft_wait_min_ms: float = setting(500.0, "the least a round waits for the draft before it takes its backup")
     startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
 
     def validate(self) -> None:
@@ -73,3 +81,5 @@ class CoordinatorConfig:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.draft_wait_verifies <= 0 or self.draft_wait_min_ms < 0:
+            raise ConfigError("--draft-wait-verifies must be > 0 and --draft-wait-min-ms >= 0")
