@@ -99,6 +99,8 @@ async def start_coordinator(
     )
     service = RunningService(server, port, health_state, thread=None)
     service.servicer = servicer
+    if draft is not None:
+        service.closers.append(draft.stop_probe)  # a draft that is down is probed until the service stops
     service.tracer_provider = provider
     servicer.metrics.serve_for(service, config.host, config.metrics_port)
     await health_state.set(NOT_SERVING)

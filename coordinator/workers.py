@@ -222,10 +222,13 @@ class DraftLink:
         self._probe: asyncio.Task | None = None
         self.last_error = "the draft worker has not been reached yet"
 
-    async def check(self, timeout_s: float = 2.0) -> bool:
-        """Ask the draft for its Info; usable only if it shares the target's tokenizer."""
+    async def check(self, timeout_s: float = 2.0, wait_for_ready: bool = False) -> bool:
+        """Ask the draft for its Info; usable only if it shares the target's tokenizer.
+        wait_for_ready: wait (within timeout_s) for a channel still reconnecting to connect."""
         try:
-            info = await self._stub.Info(draft_pb2.DraftInfoRequest(), metadata=self._metadata(), timeout=timeout_s)
+            info = await self._stub.Info(
+                draft_pb2.DraftInfoRequest(), metadata=self._metadata(), timeout=timeout_s, wait_for_ready=wait_for_ready
+            )
         except grpc.aio.AioRpcError as exc:
             self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
             return False
@@ -275,10 +278,15 @@ class DraftLink:
         self._probe = loop.create_task(self._probe_until_back())
 
     async def _probe_until_back(self) -> None:
-        """Every retry_s, ask the draft for its Info until it answers (or is rejected for good)."""
+        """Every retry_s, ask the draft for its Info until it answers (or is rejected for good).
+        Each ask waits for the channel to reconnect, so a restarted draft is seen at once."""
         while self.info is None and not self.rejected_reason:
             await asyncio.sleep(self.retry_s)
-            await self.check()
+            await self.check(wait_for_ready=True)
+
+    def stop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
 
     async def _call(self, make_call: Callable[[], Awaitable]):
         try:
@@ -339,6 +347,5 @@ class DraftLink:
         await self._stub.EndSession(draft_pb2.DraftEndSessionRequest(session_id=session_id), metadata=self._metadata(), timeout=5.0)
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        self.stop_probe()
         await self._channel.close()
