@@ -54,11 +54,13 @@ class CoordinatorConfig:
         2.0, "a draft that failed or timed out is health-checked this often; rounds go target-only until it answers"
     )
     # A hung draft fails no call: rounds would wait the whole worker timeout for it (docs/ssd.md,
-    # "When a worker fails"). 4 verifications leave a busy draft room; the floor covers tiny verifies.
+    # "A round"; coordinator/draft_wait.py). 4 calls' times leave a busy draft room; the floor
+    # covers calls too short to scale from.
     draft_wait_verifies: float = setting(
-        4.0, "a round waits for the draft at most this many times the request's latest measured target call, then takes its backup"
+        4.0,
+        "a round waits for the draft at most this many times the request's latest worker call, then takes its backup",
     )
-    draft_wait_min_ms: float = setting(500.0, "the least a round waits for the draft before it takes its backup")
+    draft_wait_min_ms: float = setting(1000.0, "the least a round waits for the draft before it takes its backup")
     startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
 
     def validate(self) -> None:

@@ -2,10 +2,12 @@
 
 A draft that hangs (a stopped process, a stalled node) answers nothing and fails no call: only
 the worker timeout would end the wait, and every round would stall for it. So a round waits for
-the draft at most `draft_wait_verifies` times the request's latest target call (its measured
-wall time, the prefill's before the first verify), and never less than `draft_wait_min_ms`.
-Past that the round goes on without the draft's answer (sd: target-only; ssd: its backup), the
-call is cancelled, and the draft is down until it answers its health check (DraftLink).
+the draft at most `draft_wait_verifies` times the request's latest worker call (the measured
+wall time of its latest target call, the prefill's before the first verify, or of its latest
+draft call if that took longer: a draft queueing many requests' work is busy, not hung), and
+never less than `draft_wait_min_ms`. Past that the round goes on without the draft's answer
+(sd: target-only; ssd: its backup), the call is cancelled, and the draft is down until it
+answers its health check (DraftLink).
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class DraftWait:
     verifies: float = 4.0  # as CoordinatorConfig.draft_wait_verifies
-    min_ms: float = 500.0  # as CoordinatorConfig.draft_wait_min_ms
+    min_ms: float = 1000.0  # as CoordinatorConfig.draft_wait_min_ms
 
-    def seconds(self, target_call_ms: float | None) -> float:
-        """The bound, given the wall time of the request's latest target call (None: none yet)."""
-        scaled_ms = self.verifies * target_call_ms if target_call_ms is not None else 0.0
+    def seconds(self, *call_ms: float | None) -> float:
+        """The bound, given the wall times of the request's latest worker calls (None: none yet)."""
+        scaled_ms = self.verifies * max((ms for ms in call_ms if ms is not None), default=0.0)
         return max(self.min_ms, scaled_ms) / 1000.0
 
 

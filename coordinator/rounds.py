@@ -43,8 +43,8 @@ class Generation:
         self.draft_session = WorkerSession(self.session_id)
 
     def draft_wait_s(self) -> float:
-        """How long this round may wait for the draft: scaled by the latest target call's time."""
-        return self.draft_wait.seconds(self.target_session.call_ms)
+        """How long this round may wait for the draft: scaled by the latest worker calls' times."""
+        return self.draft_wait.seconds(self.target_session.call_ms, self.draft_session.call_ms)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,7 +216,8 @@ async def ssd_rounds(
                 sizes_builds = index > 0
                 if speculation is not None:
                     waited = time.perf_counter()
-                    cache = await _collect(speculation, (accepted, next_token), config, verify.forward_ms, draft, gen.draft_wait_s())
+                    outcome = (accepted, next_token)
+                    cache = await _collect(speculation, outcome, config, verify.forward_ms, draft, gen.draft_wait_s())
                     ready_wait_ms = (time.perf_counter() - waited) * 1000.0
                     next_miss = _miss_reason(cache)
                     if isinstance(cache, DraftFailed):

@@ -246,16 +246,15 @@ class DraftLink:
 
     def mark_down(self, reason: str) -> None:
         """Stop asking the draft until its health check answers; the probe starts if it has not."""
+        if self.info is not None:
+            log.warning("%s; decoding target-only until the draft answers its health check", reason)
         self.info = None
         self.last_error = reason
         self._start_probe()
 
     def timed_out(self, waited_s: float) -> str:
         """A round gave up waiting for the draft after `waited_s`: the draft is down; why, for the round."""
-        self.mark_down(
-            f"draft worker at {self.address} did not answer within {waited_s * 1000.0:.0f} ms; "
-            "decoding target-only until it answers its health check"
-        )
+        self.mark_down(f"draft worker at {self.address} did not answer within {waited_s * 1000.0:.0f} ms")
         return self.last_error
 
     def usable(self) -> bool:

@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import os
 import pathlib
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +31,7 @@ from coordinator.workers import TargetLink, TargetUnavailable, verify_request
 from specd.sampling import SamplingSettings
 from specd.v1 import common_pb2, target_pb2
 from specd.v1 import coordinator_pb2 as pb
+from specd.v1 import coordinator_pb2_grpc
 from tests.conftest import assert_greedy_equal_or_near_tie, load_reference, request
 from tests.stack import ServiceStack
 
@@ -43,17 +44,18 @@ PROMPT = "def add(a, b):"
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# What a worker logs once its server is bound ("... started on 127.0.0.1:PORT, loading ...").
+_BOUND_PORT = re.compile(r" started on [\w.]+:(\d+)")
 
 
 class WorkerProcess:
-    """`python -m specd serve ROLE` on a fixed port, importing this checkout's code."""
+    """`python -m specd serve ROLE`, importing this checkout's code, on the port it picks itself
+    (a port picked here and passed on could be taken meanwhile: gRPC servers bind with
+    SO_REUSEPORT, so a second one on the same port would share its connections silently)."""
 
     def __init__(self, role: str, model: str, log_dir: pathlib.Path):
-        self.role, self.model, self.port = role, model, _free_port()
+        self.role, self.model = role, model
+        self.port: int | None = None
         self._log_path = log_dir / f"{role}.log"
         self.process: subprocess.Popen | None = None
 
@@ -65,19 +67,25 @@ class WorkerProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         command = [
             sys.executable, "-m", "specd", "serve", self.role, "--model", self.model, "--host", "127.0.0.1",
-            "--port", str(self.port), "--metrics-port", "-1", "--device", "cpu", "--threads", "1",
+            "--port", "0", "--metrics-port", "-1", "--device", "cpu", "--threads", "1",
         ]
-        with open(self._log_path, "a") as log:
+        with open(self._log_path, "w") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_serving(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
+        while (bound := _BOUND_PORT.search(self._log_path.read_text())) is None:
+            assert self.process.poll() is None, f"the {self.role} exited: {self._log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"the {self.role} did not bind within {START_TIMEOUT_S} s"
+            time.sleep(0.2)
+        self.port = int(bound.group(1))
         with grpc.insecure_channel(self.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while True:
                 assert self.process.poll() is None, f"the {self.role} exited: {self._log_path.read_text()[-2000:]}"
                 with contextlib.suppress(grpc.RpcError):
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 assert time.monotonic() < deadline, f"the {self.role} did not serve within {START_TIMEOUT_S} s"
                 time.sleep(0.2)
@@ -121,9 +129,7 @@ class Chaos:
         self._holder.run(_awaited(self._holder.coordinator.ready))
         self.channel = grpc.insecure_channel(self._holder.address)
 
-    def stub(self):
-        from specd.v1 import coordinator_pb2_grpc
-
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
         return coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     def close(self) -> None:
@@ -226,9 +232,11 @@ def test_verify_sent_ahead_and_its_fallback_share_one_deadline(chaos):
         gen = Generation("hung-target", [5, 6, 7], SamplingSettings(), "ssd", 2, 8, False, max_len=32)
         ahead = VerifyAhead(gen, link)
         tail = common_pb2.CommittedTokens(start=3, token_ids=[8])
-        choice = target_pb2.VerifyChoice(accepted=0, next_token=8, verify=verify_request(gen.session_id, tail, [9], [], gen.sampling, False))
+        verify = verify_request(gen.session_id, tail, [9], [], gen.sampling, False)
+        choice = target_pb2.VerifyChoice(accepted=0, next_token=8, verify=verify)
         deadline = link.deadline()
-        sent = SentAhead(AheadDraft([9], []), asyncio.ensure_future(link.verify_after(gen.session_id, 3, [choice], deadline)), deadline)
+        call = asyncio.ensure_future(link.verify_after(gen.session_id, 3, [choice], deadline))
+        sent = SentAhead(AheadDraft([9], []), call, deadline)
         try:
             with pytest.raises(TargetUnavailable):
                 await asyncio.wait_for(ahead.answer(sent, [5, 6, 7, 8]), WORKER_TIMEOUT_S + MARGIN_S)
