@@ -54,7 +54,17 @@ class CoordinatorConfig:
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
-    draft_retry_s: float = setting(2.0, "after a draft failure, decode target-only this long before retrying")
+    draft_retry_s: float = setting(
+        2.0, "a draft that failed or timed out is health-checked this often; rounds go target-only until it answers"
+    )
+    # A hung draft fails no call: rounds would wait the whole worker timeout for it (docs/ssd.md,
+    # "A round"; coordinator/draft_wait.py). 4 calls' times leave a busy draft room; the floor
+    # covers calls too short to scale from.
+    draft_wait_verifies: float = setting(
+        4.0,
+        "a round waits for the draft at most this many times the request's latest worker call, then takes its backup",
+    )
+    draft_wait_min_ms: float = setting(1000.0, "the least a round waits for the draft before it takes its backup")
     startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
     tls_cert_file: str = setting("", "PEM certificate (chain) the gRPC server presents: serve TLS (with --tls-key-file)")
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file")
@@ -90,3 +100,5 @@ class CoordinatorConfig:
             raise ConfigError("timeouts must be positive")
         check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
         check_pair(self.worker_tls_cert_file, self.worker_tls_key_file, "--worker-tls-cert-file", "--worker-tls-key-file")
+        if self.draft_wait_verifies <= 0 or self.draft_wait_min_ms < 0:
+            raise ConfigError("--draft-wait-verifies must be > 0 and --draft-wait-min-ms >= 0")

@@ -12,6 +12,7 @@ import dataclasses
 import time
 from typing import AsyncIterator
 
+from coordinator.draft_wait import DraftWait, answer_within
 from coordinator.round_trace import RoundTrace
 from coordinator.workers import DraftFailed, DraftLink, TargetLink, WorkerSession
 from specd.sampling import SamplingSettings, SparseDist
@@ -33,12 +34,17 @@ class Generation:
     eos_token_ids: frozenset[int] = frozenset()  # tokens that end the request (none with ignore_eos)
     trace: RoundTrace = dataclasses.field(default_factory=RoundTrace)  # the request's round spans
     target_prefill: asyncio.Future | None = None  # the prompt's prefill, until round 0 awaits it
+    draft_wait: DraftWait = dataclasses.field(default_factory=DraftWait)  # how long a round waits for the draft
     target_session: WorkerSession = dataclasses.field(init=False)
     draft_session: WorkerSession = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.target_session = WorkerSession(self.session_id)
         self.draft_session = WorkerSession(self.session_id)
+
+    def draft_wait_s(self) -> float:
+        """How long this round may wait for the draft: scaled by the latest worker calls' times."""
+        return self.draft_wait.seconds(self.target_session.call_ms, self.draft_session.call_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,40 +113,56 @@ async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None
 
 async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None, index: int, remaining: int) -> RoundResult:
     num_draft = min(gen.num_speculative_tokens, remaining - 1)
-    draft_tokens: list[int] = []
-    draft_dists: list[SparseDist] = []
-    draft_wait_ms = 0.0
-    fallback = ""
-    mode = "off"
-    if gen.mode != "off" and num_draft > 0:
-        if draft is not None and await draft.usable():
-            started = time.perf_counter()
-            try:
-                proposal = await draft.propose(
-                    gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support
-                )
-                draft_tokens = list(proposal.draft_tokens)
-                draft_dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in proposal.draft_probs]
-                mode = "sd"
-            except DraftFailed as exc:
-                fallback = str(exc)
-            draft_wait_ms = (time.perf_counter() - started) * 1000.0
-        else:
-            fallback = draft.last_error if draft is not None else "no draft worker is configured"
-    await target_prefilled(gen)
+    drafted = await _draft_beside_prefill(gen, draft, num_draft)
+    draft_tokens, draft_dists = drafted.tokens, drafted.dists
     verify = await target.verify(
         gen.target_session, gen.committed, draft_tokens, draft_dists, gen.sampling, gen.return_logprobs
     )
     accepted = verify.accepted
     return RoundResult(
         index=index,
-        mode=mode,
+        mode=drafted.mode,
         tokens=draft_tokens[:accepted] + [verify.next_token],
         logprobs=list(verify.logprobs),
         num_draft=len(draft_tokens),
         accepted=accepted,
         bonus=verify.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS,
-        draft_wait_ms=draft_wait_ms,
+        draft_wait_ms=drafted.wait_ms,
         verify_ms=verify.forward_ms,
-        fallback_reason=fallback,
+        fallback_reason=drafted.fallback,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drafted:
+    mode: str  # sd if the draft proposed, else off
+    tokens: list[int]
+    dists: list[SparseDist]
+    wait_ms: float  # time the round waited on the draft worker
+    fallback: str  # why the round drafted nothing, if it was to speculate
+
+
+async def _draft_beside_prefill(gen: Generation, draft: DraftLink | None, num_draft: int) -> _Drafted:
+    """sd: the round's Propose, waited for no longer than gen.draft_wait_s(); with the target's
+    prefill awaited first (round 0's Propose runs beside it, and its wait is counted from the
+    prefill's end, so that a long prompt's prefill on the draft is not taken for a hang)."""
+    if gen.mode == "off" or num_draft <= 0:
+        await target_prefilled(gen)
+        return _Drafted("off", [], [], 0.0, "")
+    if draft is None or not draft.usable():
+        await target_prefilled(gen)
+        return _Drafted("off", [], [], 0.0, draft.last_error if draft is not None else "no draft worker is configured")
+    started = time.perf_counter()
+    proposal = asyncio.ensure_future(draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support))
+    try:
+        await target_prefilled(gen)
+        response = await answer_within(draft, proposal, gen.draft_wait_s())
+    except DraftFailed as exc:
+        return _Drafted("off", [], [], (time.perf_counter() - started) * 1000.0, str(exc))
+    except BaseException:
+        proposal.cancel()  # the prefill failed, or the request ended
+        if proposal.done() and not proposal.cancelled():
+            proposal.exception()  # retrieved, so that asyncio does not log it
+        raise
+    dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
+    return _Drafted("sd", list(response.draft_tokens), dists, (time.perf_counter() - started) * 1000.0, "")

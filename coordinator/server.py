@@ -110,6 +110,8 @@ async def start_coordinator(
     )
     service = RunningService(server, port, health_state, thread=None)
     service.servicer = servicer
+    if draft is not None:
+        service.closers.append(draft.stop_probe)  # a draft that is down is probed until the service stops
     service.tracer_provider = provider
     service.closers.append(servicer.close)
     servicer.metrics.serve_for(service, config.host, config.metrics_port)

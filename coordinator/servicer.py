@@ -13,6 +13,7 @@ from typing import AsyncIterator
 from opentelemetry import trace
 
 from coordinator.config import CoordinatorConfig
+from coordinator.draft_wait import DraftWait
 from coordinator.request import ResolvedRequest, TargetFacts, resolve
 from coordinator.rounds import Generation, drop_target_prefill, sd_rounds, start_target_prefill
 from coordinator.ssd_rounds import ssd_rounds
@@ -128,6 +129,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             max_len=min(facts.context_length, prompt_len + request.max_new_tokens),
             eos_token_ids=eos_ids,
             trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
+            draft_wait=DraftWait(self.config.draft_wait_verifies, self.config.draft_wait_min_ms),
         )
         stats = RequestStats(requested_mode=mode, seed=request.sampling.seed)
         text = TextAssembler(facts.tokenizer, request.prompt_ids, request.stop_strings)

@@ -33,6 +33,7 @@ from typing import AsyncIterator
 
 from coordinator.backup import one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
+from coordinator.draft_wait import answer_within
 from coordinator.rounds import Generation, RoundResult
 from coordinator.ssd_tuning import Sizing, Tuning
 from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
@@ -172,7 +173,7 @@ async def ssd_rounds(
                     if launch is not None:
                         launch.cancel()
                         launch = None
-                    usable = gen.mode == "ssd" and draft is not None and await draft.usable()
+                    usable = gen.mode == "ssd" and draft is not None and draft.usable()
                     if not usable:
                         fallback = draft.last_error if draft is not None else "no draft worker is configured"
                     elif num_draft > 0 and ready is not None and ready_at == len(gen.committed):
@@ -215,7 +216,8 @@ async def ssd_rounds(
                 sizes_builds = index > 0
                 if speculation is not None:
                     waited = time.perf_counter()
-                    cache = await _collect(speculation, (accepted, next_token), config, verify.forward_ms)
+                    outcome = (accepted, next_token)
+                    cache = await _collect(speculation, outcome, config, verify.forward_ms, draft, gen.draft_wait_s())
                     ready_wait_ms = (time.perf_counter() - waited) * 1000.0
                     next_miss = _miss_reason(cache)
                     if isinstance(cache, DraftFailed):
@@ -289,7 +291,8 @@ async def _draft_without_cache(
         backup = "jit"
     vocab = draft.info.vocab_size
     saguaro = _saguaro(config, gen, tuning.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
-    response = await draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro)
+    proposal = draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, saguaro)
+    response = await answer_within(draft, proposal, gen.draft_wait_s())
     dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
     return Drafts(list(response.draft_tokens), dists, backup)
 
@@ -450,7 +453,14 @@ def _miss_reason(cache) -> str:
     return MISS_UNCOVERED  # a hit never asks
 
 
-async def _collect(speculation: _Speculation, outcome: tuple[int, int], config: CoordinatorConfig, verify_ms: float):
+async def _collect(
+    speculation: _Speculation,
+    outcome: tuple[int, int],
+    config: CoordinatorConfig,
+    verify_ms: float,
+    draft: DraftLink,
+    wait_s: float,
+):
     """The speculation cache once built, or why not: _KNOWN_MISS, None (gave up), DraftFailed.
 
     The stream names the outcomes it covers after its first forward: an outcome not among them
@@ -458,7 +468,10 @@ async def _collect(speculation: _Speculation, outcome: tuple[int, int], config: 
     backup does not wait for it. For a covered outcome, with the jit backup the loop waits for
     the build (a Propose would queue behind it on the draft's one model thread anyway); with
     the ngram backup it waits only while the build may still end soon, then gives up.
+    Whatever the backup, a draft that has not sent what the round waits for within `wait_s`
+    is taken for hung (DraftFailed): the build is cancelled and the draft marked down.
     """
+    hung_at = time.perf_counter() + wait_s
     if config.ssd_backup == "ngram" and config.ssd_wait_ms >= 0:
         deadline = time.perf_counter() + config.ssd_wait_ms / 1000.0
     else:
@@ -466,16 +479,33 @@ async def _collect(speculation: _Speculation, outcome: tuple[int, int], config: 
         deadline = speculation.started + verify_ms * 1.5 / 1000.0
     spec_task, guesses = speculation.task, speculation.guesses
     if not guesses.done():
-        await asyncio.wait({guesses, spec_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({guesses, spec_task}, timeout=_left(hung_at), return_when=asyncio.FIRST_COMPLETED)
+    if not guesses.done() and not spec_task.done():
+        return _hung(spec_task, draft, wait_s)
     if guesses.done() and outcome not in guesses.result() and not spec_task.done():
         spec_task.cancel()
         return _KNOWN_MISS
     if not spec_task.done() and config.ssd_backup == "ngram":
-        await asyncio.wait({spec_task}, timeout=max(0.0, deadline - time.perf_counter()))
+        await asyncio.wait({spec_task}, timeout=_left(min(deadline, hung_at)))
         if not spec_task.done():
             spec_task.cancel()
             return None
+    elif not spec_task.done():
+        await asyncio.wait({spec_task}, timeout=_left(hung_at))
+        if not spec_task.done():
+            return _hung(spec_task, draft, wait_s)
     try:
         return await spec_task
     except DraftFailed as exc:
         return exc
+
+
+def _left(until: float) -> float:
+    """Seconds from now to `until` (time.perf_counter()), none if it has passed."""
+    return max(0.0, until - time.perf_counter())
+
+
+def _hung(spec_task: asyncio.Future, draft: DraftLink, wait_s: float) -> DraftFailed:
+    """The round gave up on a draft that answered nothing in `wait_s`: cancel its build, mark it down."""
+    spec_task.cancel()
+    return DraftFailed(draft.timed_out(wait_s))

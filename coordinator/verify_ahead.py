@@ -35,6 +35,7 @@ class SentAhead:
 
     draft: AheadDraft
     call: asyncio.Future  # -> target_pb2.VerifyAfterResponse
+    deadline: float  # the call's (time.monotonic()), which a Verify standing in for it shares
 
     def cancel(self) -> None:
         cancel_unawaited(self.call)
@@ -54,6 +55,7 @@ class VerifyAhead:
         self._gen = gen
         self._target = target
         self._call: asyncio.Future | None = None
+        self._deadline = 0.0  # that of the call in flight
         # Each choice's cache entry and how many of its draft tokens the choice verifies.
         self._choices: dict[Outcome, tuple[draft_pb2.SpeculationEntry, int]] = {}
         self.answered_ahead = False  # the latest answer() came from the verify sent ahead
@@ -86,7 +88,8 @@ class VerifyAhead:
             choices.append(target_pb2.VerifyChoice(accepted=entry.accepted, next_token=entry.next_token, verify=request))
             self._choices[(entry.accepted, entry.next_token)] = (entry, count)
         if choices:
-            self._call = asyncio.ensure_future(self._target.verify_after(gen.session_id, after, choices))
+            self._deadline = self._target.deadline()
+            self._call = asyncio.ensure_future(self._target.verify_after(gen.session_id, after, choices, self._deadline))
 
     def take(self, outcome: Outcome) -> SentAhead | None:
         """What was sent ahead for Verify(T)'s `outcome`, now the caller's to await (answer())
@@ -98,13 +101,14 @@ class VerifyAhead:
         entry, count = choice
         # Only the winning entry's q is turned into SparseDists: the fallback Verify needs them.
         dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs[:count]]
-        sent = SentAhead(AheadDraft(list(entry.draft_tokens[:count]), dists), self._call)
+        sent = SentAhead(AheadDraft(list(entry.draft_tokens[:count]), dists), self._call, self._deadline)
         self._call, self._choices = None, {}
         return sent
 
     async def answer(self, sent: SentAhead, committed: list[int]) -> target_pb2.VerifyResponse:
         """Round T+1's verify after `committed` (round T's tokens included): the answer to the
-        choice sent ahead, or the same draft verified now if that call failed."""
+        choice sent ahead, or the same draft verified now if that call failed. The two share
+        one deadline: a hung target fails the round within one worker timeout, not two."""
         gen, draft = self._gen, sent.draft
         try:
             response = await sent.call
@@ -115,7 +119,7 @@ class VerifyAhead:
             gen.target_session.answered(committed, response.verify.cached_tokens)
             return response.verify
         return await self._target.verify(
-            gen.target_session, committed, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs
+            gen.target_session, committed, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs, sent.deadline
         )
 
     def cancel(self) -> None:

@@ -40,6 +40,7 @@ class WorkerSession:
 
     session_id: str
     sent: int = 0
+    call_ms: float | None = None  # wall time of the latest call answered through _synced_call
 
     def committed_tail(self, committed: list[int]) -> common_pb2.CommittedTokens:
         return common_pb2.CommittedTokens(start=self.sent, token_ids=committed[self.sent :])
@@ -50,17 +51,37 @@ class WorkerSession:
         self.sent = len(committed) if cached is None else min(len(committed), cached)
 
 
-async def _synced_call(session: WorkerSession, committed: list[int], call: Callable[[common_pb2.CommittedTokens], Awaitable]):
-    """Send the unsent tail; resend everything once if the worker lost the session."""
+def remaining_s(deadline: float) -> float:
+    """Seconds left before `deadline` (time.monotonic()); DEADLINE_EXCEEDED, as gRPC says it, if none.
+
+    A logical call that takes several RPCs (a resend, a fallback) gives each only what is left,
+    so that it fails within one worker timeout, never a fresh one per attempt.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, details="the call's deadline passed before it was sent")
+    return left
+
+
+async def _synced_call(
+    session: WorkerSession,
+    committed: list[int],
+    call: Callable[[common_pb2.CommittedTokens, float], Awaitable],
+    deadline: float,
+):
+    """Send the unsent tail; resend everything once if the worker lost the session. Both sends
+    share `deadline`: `call(tail, timeout_s)` gets the seconds left."""
+    started = time.monotonic()
     try:
-        response = await call(session.committed_tail(committed))
+        response = await call(session.committed_tail(committed), remaining_s(deadline))
     except grpc.aio.AioRpcError as exc:
         if exc.code() not in _RESYNC_CODES:
             raise
         log.info("session %s lost on a worker (%s); resending its history", session.session_id, exc.code().name)
         session.sent = 0
-        response = await call(session.committed_tail(committed))
+        response = await call(session.committed_tail(committed), remaining_s(deadline))
     session.answered(committed, getattr(response, "cached_tokens", None))
+    session.call_ms = (time.monotonic() - started) * 1000.0
     return response
 
 
@@ -129,16 +150,20 @@ class TargetLink:
             return TargetUnavailable(message)
         return StatusError(message, exc.code())
 
+    def deadline(self) -> float:
+        """The deadline of a logical call starting now (time.monotonic())."""
+        return time.monotonic() + self.timeout_s
+
     async def info(self, timeout_s: float | None = None) -> target_pb2.TargetInfo:
         return await self._stub.Info(target_pb2.TargetInfoRequest(), metadata=self._metadata(), timeout=timeout_s or self.timeout_s)
 
     async def prefill(self, session: WorkerSession, committed: list[int]) -> target_pb2.TargetPrefillResponse:
-        async def call(tail):
+        async def call(tail, timeout_s):
             request = target_pb2.TargetPrefillRequest(session_id=session.session_id, committed=tail)
-            return await self._stub.Prefill(request, metadata=self._metadata(), timeout=self.timeout_s)
+            return await self._stub.Prefill(request, metadata=self._metadata(), timeout=timeout_s)
 
         try:
-            return await _synced_call(session, committed, call)
+            return await _synced_call(session, committed, call, self.deadline())
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
 
@@ -150,24 +175,28 @@ class TargetLink:
         draft_dists: list[SparseDist],
         sampling: SamplingSettings,
         return_logprobs: bool,
+        deadline: float | None = None,
     ) -> target_pb2.VerifyResponse:
-        async def call(tail):
+        """`deadline`: that of the logical call this Verify is part of (a VerifyAfter it stands
+        in for); by default one worker timeout from now."""
+
+        async def call(tail, timeout_s):
             probs = [] if sampling.greedy else [sparse_to_proto(d) for d in draft_dists]
             request = verify_request(session.session_id, tail, draft_tokens, probs, sampling, return_logprobs)
-            return await self._stub.Verify(request, metadata=self._metadata(), timeout=self.timeout_s)
+            return await self._stub.Verify(request, metadata=self._metadata(), timeout=timeout_s)
 
         try:
-            return await _synced_call(session, committed, call)
+            return await _synced_call(session, committed, call, deadline or self.deadline())
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
 
     async def verify_after(
-        self, session_id: str, after: int, choices: list[target_pb2.VerifyChoice]
+        self, session_id: str, after: int, choices: list[target_pb2.VerifyChoice], deadline: float
     ) -> target_pb2.VerifyAfterResponse:
         """Verifies sent ahead of the outcome of the session's verify at `after` committed tokens."""
         request = target_pb2.VerifyAfterRequest(session_id=session_id, after=after, choices=choices)
         try:
-            return await self._stub.VerifyAfter(request, metadata=self._metadata(), timeout=self.timeout_s)
+            return await self._stub.VerifyAfter(request, metadata=self._metadata(), timeout=remaining_s(deadline))
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
 
@@ -179,7 +208,12 @@ class TargetLink:
 
 
 class DraftLink:
-    """The draft worker, or its absence: after a failure it is skipped for `retry_s`."""
+    """The draft worker, or its absence.
+
+    After a failure or a timeout the draft is down: no round asks it anything until it has
+    answered its health check (Info) again. A background probe asks every `retry_s`, so no
+    round ever waits on a draft that is down.
+    """
 
     def __init__(
         self,
@@ -198,13 +232,16 @@ class DraftLink:
         self.info: draft_pb2.DraftInfo | None = None
         self.expected_fingerprint = ""
         self.rejected_reason = ""  # set for good when the draft's tokenizer differs from the target's
-        self._down_until = 0.0
+        self._probe: asyncio.Task | None = None
         self.last_error = "the draft worker has not been reached yet"
 
-    async def check(self, timeout_s: float = 2.0) -> bool:
-        """Ask the draft for its Info; usable only if it shares the target's tokenizer."""
+    async def check(self, timeout_s: float = 2.0, wait_for_ready: bool = False) -> bool:
+        """Ask the draft for its Info; usable only if it shares the target's tokenizer.
+        wait_for_ready: wait (within timeout_s) for a channel still reconnecting to connect."""
         try:
-            info = await self._stub.Info(draft_pb2.DraftInfoRequest(), metadata=self._metadata(), timeout=timeout_s)
+            info = await self._stub.Info(
+                draft_pb2.DraftInfoRequest(), metadata=self._metadata(), timeout=timeout_s, wait_for_ready=wait_for_ready
+            )
         except grpc.aio.AioRpcError as exc:
             self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
             return False
@@ -215,24 +252,53 @@ class DraftLink:
             )
             self.last_error = self.rejected_reason
             return False
+        if self.info is None:
+            log.info("draft worker at %s answers its health check: speculating again", self.address)
         self.info = info
-        self._down_until = 0.0
         return True
 
     def mark_down(self, reason: str) -> None:
+        """Stop asking the draft until its health check answers; the probe starts if it has not."""
+        if self.info is not None:
+            log.warning("%s; decoding target-only until the draft answers its health check", reason)
         self.info = None
         self.last_error = reason
-        self._down_until = time.monotonic() + self.retry_s
+        self._start_probe()
 
-    async def usable(self) -> bool:
-        """True if the draft can take this round; re-checks it once its back-off has passed."""
+    def timed_out(self, waited_s: float) -> str:
+        """A round gave up waiting for the draft after `waited_s`: the draft is down; why, for the round."""
+        self.mark_down(f"draft worker at {self.address} did not answer within {waited_s * 1000.0:.0f} ms")
+        return self.last_error
+
+    def usable(self) -> bool:
+        """True if the draft can take this round. Never waits: a draft that is down is probed
+        in the background (and the probe started here if nothing has started it yet)."""
         if self.rejected_reason:
             return False
-        if self.info is not None:
-            return True
-        if time.monotonic() < self._down_until:
+        if self.info is None:
+            self._start_probe()
             return False
-        return await self.check()
+        return True
+
+    def _start_probe(self) -> None:
+        if self._probe is not None and not self._probe.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop to probe from (a caller outside the server): the next usable() starts it
+            return
+        self._probe = loop.create_task(self._probe_until_back())
+
+    async def _probe_until_back(self) -> None:
+        """Every retry_s, ask the draft for its Info until it answers (or is rejected for good).
+        Each ask waits for the channel to reconnect, so a restarted draft is seen at once."""
+        while self.info is None and not self.rejected_reason:
+            await asyncio.sleep(self.retry_s)
+            await self.check(wait_for_ready=True)
+
+    def stop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
 
     async def _call(self, make_call: Callable[[], Awaitable]):
         try:
@@ -250,7 +316,7 @@ class DraftLink:
         max_support: int,
         saguaro: draft_pb2.SaguaroParams | None = None,
     ) -> draft_pb2.ProposeResponse:
-        async def call(tail):
+        async def call(tail, timeout_s):
             request = draft_pb2.ProposeRequest(
                 session_id=session.session_id,
                 committed=tail,
@@ -259,9 +325,9 @@ class DraftLink:
                 max_support=max_support,
                 saguaro=saguaro,
             )
-            return await self._stub.Propose(request, metadata=self._metadata(), timeout=self.timeout_s)
+            return await self._stub.Propose(request, metadata=self._metadata(), timeout=timeout_s)
 
-        return await self._call(lambda: _synced_call(session, committed, call))
+        return await self._call(lambda: _synced_call(session, committed, call, time.monotonic() + self.timeout_s))
 
     async def speculate(
         self,
@@ -276,10 +342,10 @@ class DraftLink:
         one forward into the build.
         """
 
-        async def call(tail):
+        async def call(tail, timeout_s):
             request.committed.CopyFrom(tail)
             cache = draft_pb2.SpeculationCache()  # a build with no branches sends none
-            async for message in self._stub.Speculate(request, metadata=self._metadata(), timeout=self.timeout_s):
+            async for message in self._stub.Speculate(request, metadata=self._metadata(), timeout=timeout_s):
                 if message.HasField("guesses"):
                     if not guesses.done():
                         guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
@@ -287,10 +353,11 @@ class DraftLink:
                     cache = message.cache
             return cache
 
-        return await self._call(lambda: _synced_call(session, committed, call))
+        return await self._call(lambda: _synced_call(session, committed, call, time.monotonic() + self.timeout_s))
 
     async def end_session(self, session_id: str) -> None:
         await self._stub.EndSession(draft_pb2.DraftEndSessionRequest(session_id=session_id), metadata=self._metadata(), timeout=5.0)
 
     async def close(self) -> None:
+        self.stop_probe()
         await self._channel.close()
