@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from coordinator.config import CoordinatorConfig
+from specd.cli.supervise import stop_processes
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -40,7 +41,7 @@ def add_parser(subparsers) -> None:
 def start_stack(args, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [sys.executable, "-m", "specd", "up", "--target", args.target, "--draft", args.draft,
-         "--threads", str(args.threads), "--port", "0"],
+         "--threads", str(args.threads), "--port", "0", "--metrics-port", "0"],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
@@ -120,13 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  pass {repeat + 1}/{args.repeats} {mode:<22} {result.tokens_per_s:7.1f} tok/s",
                       file=sys.stderr, flush=True)
     finally:
-        for stack in stacks:
-            stack.terminate()
-        for stack in stacks:
-            try:
-                stack.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                stack.kill()
+        stop_processes(stacks, timeout_s=60)
         if receiver is not None:
             receiver.stop()
     summary = {"modes": bench.summarize({m: r for m, r in runs.items() if m not in traced_addresses})}
