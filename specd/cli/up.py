@@ -13,7 +13,6 @@ import tempfile
 import time
 
 from specd.cli.supervise import Service, Supervisor, wait_serving  # noqa: F401 - wait_serving: for tests/tools
-
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -204,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd up: {exc}", file=sys.stderr)
         return 1
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
         supervisor.stop_all()
         release_state_file()
 
