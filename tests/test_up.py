@@ -156,3 +156,25 @@ def test_up_refuses_a_taken_port_before_starting_anything(tmp_path, which):
     assert f"port {taken} on 127.0.0.1" in message and "is taken" in message and which in message, message
     assert up.process.stdout.read() == ""
     assert not list(tmp_path.glob("specd-up-*.json")), "a refused specd up touched the state file"
+
+
+def test_a_second_stack_leaves_generates_default_address_alone(tmp_path, monkeypatch):
+    """`specd up --port 0` beside a live `specd up` does not retarget `specd generate`'s default."""
+    import json
+
+    from specd.cli import up as up_module
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        up_module.state_file().write_text(json.dumps({"address": "127.0.0.1:50051", "pid": holder.pid}))
+        assert up_module.claim_state_file("127.0.0.1:40000") == "127.0.0.1:50051"
+        assert json.loads(up_module.state_file().read_text())["address"] == "127.0.0.1:50051"
+    finally:
+        holder.kill()
+        holder.wait()
+    # Once the other stack is gone, the new one becomes the default.
+    assert up_module.claim_state_file("127.0.0.1:40000") == "127.0.0.1:40000"
+    assert json.loads(up_module.state_file().read_text()) == {"address": "127.0.0.1:40000", "pid": os.getpid()}
+    up_module.release_state_file()
+    assert not up_module.state_file().exists()
