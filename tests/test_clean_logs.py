@@ -8,9 +8,12 @@ recording spans or not; a real error still does (the last test).
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import random
 import threading
+import time
 
 import grpc
 import pytest
@@ -92,8 +95,6 @@ def _run_clients(stack) -> list[str]:
 def _wait_sessions_freed(stack, deadline_s: float = 30.0) -> None:
     """Every request's sessions gone from both workers: what a cancellation cleans up has run
     (and so would have logged), within the deadline."""
-    import time
-
     deadline = time.monotonic() + deadline_s
     while True:
         held = {name: len(service.servicer.runner.sessions) for name, service in
@@ -113,8 +114,6 @@ def test_cancellations_log_no_error(tiny_pair, caplog, traced):
     with running_stack(target, draft, tracer_providers=providers) as stack:
         outcomes = _run_clients(stack)
         _wait_sessions_freed(stack)
-        import gc
-
         gc.collect()  # generators left at a yield are closed now, on the stack's loop
         stack.run(_settle())
     assert len(outcomes) == CLIENTS * REQUESTS_EACH
@@ -128,8 +127,6 @@ def test_cancellations_log_no_error(tiny_pair, caplog, traced):
 
 
 async def _settle() -> None:
-    import asyncio
-
     for _ in range(20):  # a few turns of the loop: the closing tasks asyncio made run to the end
         await asyncio.sleep(0.05)
 
