@@ -3,6 +3,7 @@ to use are checked before anything starts; each service's /metrics address is pr
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -16,6 +17,7 @@ import urllib.request
 import grpc
 import pytest
 
+from specd.cli import up as up_module
 from specd.v1 import common_pb2
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
@@ -160,10 +162,6 @@ def test_up_refuses_a_taken_port_before_starting_anything(tmp_path, which):
 
 def test_a_second_stack_leaves_generates_default_address_alone(tmp_path, monkeypatch):
     """`specd up --port 0` beside a live `specd up` does not retarget `specd generate`'s default."""
-    import json
-
-    from specd.cli import up as up_module
-
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
