@@ -21,17 +21,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.request import MODE_NAMES
-from specd.telemetry import context_from_metadata
+from specd.telemetry import context_from_metadata, trace_id_hex
 
 DEFAULT_MAX_ROUND_SPANS = 64
 FINISH_REASONS = {1: "stop", 2: "length"}
+
+
+def _start_llm_request(tracer: trace.Tracer, grpc_context, method: str) -> trace.Span:
+    attributes = {"rpc.system": "grpc", "rpc.service": "specd.v1.Coordinator", "rpc.method": method}
+    return tracer.start_span(
+        "llm_request",
+        context=context_from_metadata(grpc_context.invocation_metadata()),
+        kind=SpanKind.SERVER,
+        attributes=attributes,
+        set_status_on_exception=False,
+    )
+
+
+def _record_failure(span: trace.Span, grpc_context, exc: BaseException) -> None:
+    """The call's status on the span: CANCELLED for a caller that went away."""
+    if not span.is_recording():
+        return
+    code, details = grpc_context.code(), grpc_context.details()
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        code, details = grpc.StatusCode.CANCELLED, "the caller cancelled the call"
+    else:
+        span.record_exception(exc)
+    if code is not None:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+    span.set_status(Status(StatusCode.ERROR, details or f"{type(exc).__name__}: {exc}"))
 
 
 @contextlib.contextmanager
@@ -39,26 +64,43 @@ def llm_request(tracer: trace.Tracer, grpc_context, method: str) -> Iterator[tra
     """The request's SERVER span, current for the whole call: the trace's root on the
     coordinator, or a child of the caller's span when the call carries a `traceparent`.
     (The public service is not wrapped by the gRPC server interceptor: this span is its
-    server span, so the trace does not open with an empty RPC span.)"""
-    attributes = {"rpc.system": "grpc", "rpc.service": "specd.v1.Coordinator", "rpc.method": method}
-    with tracer.start_as_current_span(
-        "llm_request",
-        context=context_from_metadata(grpc_context.invocation_metadata()),
-        kind=SpanKind.SERVER,
-        attributes=attributes,
-        set_status_on_exception=False,
-    ) as span:
+    server span, so the trace does not open with an empty RPC span.) For a coroutine only:
+    a streaming call uses llm_request_stream."""
+    span = _start_llm_request(tracer, grpc_context, method)
+    with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
         try:
             yield span
         except BaseException as exc:
-            if span.is_recording():
-                code, details = grpc_context.code(), grpc_context.details()
-                if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-                    code, details = grpc.StatusCode.CANCELLED, "the caller cancelled the call"
-                if code is not None:
-                    span.set_attribute("rpc.grpc.status_code", code.value[0])
-                span.set_status(Status(StatusCode.ERROR, details or f"{type(exc).__name__}: {exc}"))
+            _record_failure(span, grpc_context, exc)
             raise
+
+
+async def llm_request_stream(
+    tracer: trace.Tracer, grpc_context, method: str, open_messages: Callable[[str], AsyncIterator]
+) -> AsyncIterator:
+    """llm_request for a streaming call: the messages of open_messages(trace_id), each made
+    with the span current. The span is never current across a yield: a caller that cancels
+    while a message is being written leaves this generator at its yield, and asyncio closes it
+    later in another task, where detaching a context attached here would fail."""
+    span = _start_llm_request(tracer, grpc_context, method)
+    messages = open_messages(trace_id_hex(span))
+    try:
+        while (message := await _next_with(span, messages)) is not _END:
+            yield message
+    except BaseException as exc:
+        _record_failure(span, grpc_context, exc)
+        raise
+    finally:
+        with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
+            await messages.aclose()  # its clean-up (the workers' EndSession) joins the trace
+
+
+_END = object()
+
+
+async def _next_with(span: trace.Span, messages: AsyncIterator):
+    with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+        return await anext(messages, _END)
 
 
 def record_request(span: trace.Span, request) -> None:

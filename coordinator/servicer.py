@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
@@ -18,7 +19,7 @@ from coordinator.request import ResolvedRequest, TargetFacts, resolve
 from coordinator.rounds import Generation, drop_target_prefill, sd_rounds, start_target_prefill
 from coordinator.ssd_rounds import ssd_rounds
 from coordinator.ssd_tuning import Sizing
-from coordinator.round_trace import RoundTrace, llm_request, record_request, record_response
+from coordinator.round_trace import RoundTrace, llm_request, llm_request_stream, record_request, record_response
 from coordinator.stats import RequestStats
 from coordinator.text import TextAssembler
 from coordinator.workers import DraftLink, TargetLink
@@ -206,8 +207,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return await self._generate(request, context, trace_id_hex(span))
 
     async def GenerateStream(self, request, context):
-        with llm_request(self.tracer, context, "GenerateStream") as span:
-            async for message in self._generate_stream(request, context, trace_id_hex(span)):
+        messages = llm_request_stream(
+            self.tracer, context, "GenerateStream", lambda trace_id: self._generate_stream(request, context, trace_id)
+        )
+        async with contextlib.aclosing(messages):
+            async for message in messages:
                 yield message
 
     async def _generate(self, request, context, trace_id: str):

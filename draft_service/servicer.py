@@ -84,6 +84,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         # Cancelling the call (the coordinator stopped waiting) stops the build between steps;
         # the model thread is then free for the next Propose or Speculate.
         cancel = threading.Event()
+        job: asyncio.Future | None = None
         try:
             runner = self._ready_runner()
             loaded = runner.loaded
@@ -126,8 +127,8 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                     guesses=draft_pb2.SpeculationGuesses(accepted=[j for j, _ in roots], next_token=[g for _, g in roots])
                 )
             result = await job
-        except (asyncio.CancelledError, SpeculationCancelled):
-            cancel.set()
+        except (asyncio.CancelledError, GeneratorExit, SpeculationCancelled):
+            _stop_build(cancel, job)
             raise
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
@@ -180,6 +181,16 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             device=loaded.device,
             tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         )
+
+
+def _stop_build(cancel: threading.Event, job: asyncio.Future | None) -> None:
+    """The caller is gone (cancelled, or the stream closed at a yield): stop the tree between
+    steps and drop its outcome, so that a normal cancellation leaves no SpeculationCancelled
+    for asyncio to log as a task exception never retrieved."""
+    cancel.set()
+    if job is not None:
+        job.cancel()
+        job.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def _saguaro(params: draft_pb2.SaguaroParams) -> tuple[float, list[int]]:

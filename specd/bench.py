@@ -165,7 +165,14 @@ def summarize(runs: dict[str, list[ModeRun]]) -> dict:
         }
         if not speculative:
             modes[mode]["acceptance_rate"] = modes[mode]["acceptance_rate"] if draft else None
+        modes[mode]["skipped"] = None
     return modes
+
+
+def skipped_mode(reason: str) -> dict:
+    """A mode that did not run: the figures summarize gives, all null, and why."""
+    figures = summarize({"any": [ModeRun(tokens=1, seconds=1.0)]})["any"]
+    return {**dict.fromkeys(figures), "skipped": reason}
 
 
 def format_table(result: dict) -> str:
@@ -176,6 +183,9 @@ def format_table(result: dict) -> str:
         return format(value, spec) if value is not None else "-"
 
     for mode, m in result["modes"].items():
+        if m.get("skipped"):
+            lines.append(f"{mode:<12}skipped: {m['skipped']}")
+            continue
         ratio = m["tokens_per_s"] / off if off else None
         spread = f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"
         lines.append(

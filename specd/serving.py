@@ -10,8 +10,8 @@ from typing import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from specd.reflection import enable_reflection
 from specd.session_cache import SessionNotFound, SessionStale, TooManySessions
 from specd.undecodable import UndecodableInterceptor
 
@@ -139,9 +139,7 @@ def create_server(
     register(server)
     health_state = HealthState(service_full_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
-    reflection.enable_server_reflection(
-        [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    enable_reflection([*service_full_names, health.SERVICE_NAME], server)
     if credentials is None:
         bound = server.add_insecure_port(f"{host}:{port}")
     else:

