@@ -55,7 +55,7 @@ class CoordinatorConfig:
     )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
     draft_retry_s: float = setting(
-        2.0, "a draft that failed or timed out is health-checked this often; rounds go target-only until it answers"
+        2.0, "a draft that cannot be reached is tried again this often; rounds go target-only until it answers its health check"
     )
     # A hung draft fails no call: rounds would wait the whole worker timeout for it (docs/ssd.md,
     # "A round"; coordinator/draft_wait.py). 4 calls' times leave a busy draft room; the floor

@@ -8,12 +8,14 @@ NOT_FOUND or FAILED_PRECONDITION and is sent the whole history again.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
 from typing import Awaitable, Callable, Iterable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.sampling import SamplingSettings, SparseDist
 from specd.serving import GRPC_OPTIONS, StatusError, Unavailable
@@ -211,8 +213,9 @@ class DraftLink:
     """The draft worker, or its absence.
 
     After a failure or a timeout the draft is down: no round asks it anything until it has
-    answered its health check (Info) again. A background probe asks every `retry_s`, so no
-    round ever waits on a draft that is down.
+    answered its health check again. A background probe watches the draft's health and asks its
+    Info once it reports SERVING (an unreachable draft is tried again every `retry_s`), so no
+    round ever waits on a draft that is down, and one that is back is used at once.
     """
 
     def __init__(
@@ -229,6 +232,7 @@ class DraftLink:
         self._channel = _channel(address, interceptors, credentials)
         self._metadata = _trace_metadata_source(interceptors)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self.info: draft_pb2.DraftInfo | None = None
         self.expected_fingerprint = ""
         self.rejected_reason = ""  # set for good when the draft's tokenizer differs from the target's
@@ -287,14 +291,30 @@ class DraftLink:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop to probe from (a caller outside the server): the next usable() starts it
             return
-        self._probe = loop.create_task(self._probe_until_back())
+        # An empty context: the probe belongs to no request, so its calls join no request's trace.
+        self._probe = loop.create_task(self._probe_until_back(), context=contextvars.Context())
 
     async def _probe_until_back(self) -> None:
-        """Every retry_s, ask the draft for its Info until it answers (or is rejected for good).
-        Each ask waits for the channel to reconnect, so a restarted draft is seen at once."""
+        """Until the draft answers its Info again (or is rejected for good): watch its health and
+        ask Info the moment it says SERVING, so a draft that finishes loading, is restarted or
+        resumes (SIGCONT) is used again at once; one that cannot be reached is retried every retry_s."""
         while self.info is None and not self.rejected_reason:
+            if await self._serving_again() and await self.check(wait_for_ready=True):
+                return
             await asyncio.sleep(self.retry_s)
-            await self.check(wait_for_ready=True)
+
+    async def _serving_again(self) -> bool:
+        """Wait on the draft's health Watch until it reports SERVING; False if the stream fails or ends."""
+        call = self._health.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True)
+        try:
+            async for reply in call:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            call.cancel()
+        return False
 
     def stop_probe(self) -> None:
         if self._probe is not None:
