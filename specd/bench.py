@@ -14,7 +14,9 @@ import os
 import statistics
 import time
 
-SPECD_MODES = ("off", "sd", "ssd")
+from specd.modes import OFF, SD, SSD, mode_value
+
+SPECD_MODES = (OFF, SD, SSD)
 ALL_MODES = (*SPECD_MODES, "hf_assisted")
 
 
@@ -47,7 +49,7 @@ def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens:
         ignore_eos=False,  # a chat answer ends at its EOS, as it would for a user; every mode stops there
         sampling=common_pb2.SamplingParams(temperature=0.0),
         speculation=coordinator_pb2.SpeculationParams(
-            mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{mode.upper()}"), num_speculative_tokens=k
+            mode=mode_value(mode), num_speculative_tokens=k
         ),
     )
     started = time.perf_counter()
