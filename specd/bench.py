@@ -152,7 +152,7 @@ def summarize(runs: dict[str, list[ModeRun]]) -> dict:
         lookups = sum(r.cache_hits + r.cache_misses for r in mode_runs)
         tokens = sum(r.tokens for r in mode_runs)
         seconds = sum(r.seconds for r in mode_runs)
-        speculative = mode in ("sd", "ssd")
+        speculative = mode in (SD, SSD)
         modes[mode] = {
             "tokens_per_s": statistics.median(rates),
             "tokens_per_s_min": min(rates),
@@ -178,7 +178,7 @@ def skipped_mode(reason: str) -> dict:
 
 
 def format_table(result: dict) -> str:
-    off = result["modes"].get("off", {}).get("tokens_per_s")
+    off = result["modes"].get(OFF, {}).get("tokens_per_s")
     lines = [f"{'mode':<12}{'tok/s':>8}{'spread':>16}{'x off':>8}{'accept':>8}{'tok/round':>10}{'hit rate':>10}"]
 
     def fmt(value, spec):
