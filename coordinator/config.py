@@ -6,9 +6,9 @@ import dataclasses
 
 from specd.config import ConfigError, setting
 from specd.cpus import check_cpus
+from specd.modes import AUTO, MODES
 from specd.tls import check_pair, check_server_settings
 
-MODES = ("auto", "ssd", "sd", "off")
 SSD_BACKUPS = ("jit", "ngram")
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -21,7 +21,7 @@ class CoordinatorConfig:
     target_address: str = setting("localhost:50052", "target worker HOST:PORT")
     draft_address: str = setting("localhost:50053", "draft worker HOST:PORT (empty: target-only)")
     tokenizer: str = setting("", "tokenizer folder or hub id (empty: the target worker's model)")
-    default_mode: str = setting("auto", "speculation mode when a request says auto", choices=MODES)
+    default_mode: str = setting(AUTO, "speculation mode when a request says auto", choices=MODES)
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     # 4 for the default pair (docs/ssd.md, "The default pair: choosing K"; tools/sweep_k.py): ssd at
     # K = 3..6 lies within the runs' scatter (its draft accepts ~0.4 per token); 4 is the middle.

@@ -6,18 +6,12 @@ import dataclasses
 import secrets
 
 from coordinator.config import MAX_SPECULATIVE_TOKENS, CoordinatorConfig
+from specd.modes import MODES, mode_name
 from specd.sampling import SamplingSettings
 from specd.serving import InvalidRequest
 from specd.v1 import coordinator_pb2
 from specd.wire import check_id_length, check_token_ids, sampling_from_proto
 
-MODE_NAMES = {
-    coordinator_pb2.SPECULATION_MODE_AUTO: "auto",
-    coordinator_pb2.SPECULATION_MODE_SSD: "ssd",
-    coordinator_pb2.SPECULATION_MODE_SD: "sd",
-    coordinator_pb2.SPECULATION_MODE_OFF: "off",
-}
-MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
 # Stop strings are searched for after every token: a bounded number of bounded strings.
 MAX_STOP_STRINGS = 32
 MAX_STOP_BYTES = 1024
@@ -64,8 +58,8 @@ def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, confi
     sampling = sampling_from_proto(request.sampling, defaults)
     _check_stop(request.stop)
     spec = request.speculation
-    if spec.mode not in MODE_NAMES:
-        raise InvalidRequest(f"speculation.mode {spec.mode} is not one of auto, ssd, sd, off")
+    if spec.mode not in coordinator_pb2.SpeculationMode.values():
+        raise InvalidRequest(f"speculation.mode {spec.mode} is not one of {', '.join(MODES)}")
     k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else config.num_speculative_tokens
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise InvalidRequest(
@@ -78,7 +72,7 @@ def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, confi
         max_new_tokens=max_new,
         stop_strings=list(request.stop),
         ignore_eos=request.ignore_eos,
-        mode=MODE_NAMES[spec.mode],
+        mode=mode_name(spec.mode),
         num_speculative_tokens=k,
         return_logprobs=request.return_logprobs,
     )

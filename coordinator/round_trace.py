@@ -27,7 +27,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from coordinator.request import MODE_NAMES
+from specd.modes import mode_name
 from specd.telemetry import context_from_metadata, trace_id_hex
 
 DEFAULT_MAX_ROUND_SPANS = 64
@@ -132,7 +132,7 @@ def record_response(span: trace.Span, finish_reason: int, output_tokens: int, st
         "gen_ai.response.finish_reasons": [FINISH_REASONS.get(finish_reason, "")],
         "gen_ai.usage.output_tokens": output_tokens,
         "specd.e2e_ms": e2e_ms,
-        "specd.mode": MODE_NAMES.get(stats.mode, ""),  # the mode that ran; specd.request.mode is the one asked
+        "specd.mode": mode_name(stats.mode),  # the mode that ran; specd.request.mode is the one asked
         "specd.rounds": stats.rounds,
         "specd.draft_tokens": stats.draft_tokens,
         "specd.accepted_tokens": stats.accepted_tokens,

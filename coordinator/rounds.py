@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from coordinator.draft_wait import DraftWait, answer_within
 from coordinator.round_trace import RoundTrace
 from coordinator.workers import DraftFailed, DraftLink, TargetLink, WorkerSession
+from specd.modes import OFF, SD
 from specd.sampling import SamplingSettings, SparseDist
 from specd.v1 import target_pb2
 
@@ -146,23 +147,23 @@ async def _draft_beside_prefill(gen: Generation, draft: DraftLink | None, num_dr
     """sd: the round's Propose, waited for no longer than gen.draft_wait_s(); with the target's
     prefill awaited first (round 0's Propose runs beside it, and its wait is counted from the
     prefill's end, so that a long prompt's prefill on the draft is not taken for a hang)."""
-    if gen.mode == "off" or num_draft <= 0:
+    if gen.mode == OFF or num_draft <= 0:
         await target_prefilled(gen)
-        return _Drafted("off", [], [], 0.0, "")
+        return _Drafted(OFF, [], [], 0.0, "")
     if draft is None or not draft.usable():
         await target_prefilled(gen)
-        return _Drafted("off", [], [], 0.0, draft.last_error if draft is not None else "no draft worker is configured")
+        return _Drafted(OFF, [], [], 0.0, draft.last_error if draft is not None else "no draft worker is configured")
     started = time.perf_counter()
     proposal = asyncio.ensure_future(draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support))
     try:
         await target_prefilled(gen)
         response = await answer_within(draft, proposal, gen.draft_wait_s())
     except DraftFailed as exc:
-        return _Drafted("off", [], [], (time.perf_counter() - started) * 1000.0, str(exc))
+        return _Drafted(OFF, [], [], (time.perf_counter() - started) * 1000.0, str(exc))
     except BaseException:
         proposal.cancel()  # the prefill failed, or the request ended
         if proposal.done() and not proposal.cancelled():
             proposal.exception()  # retrieved, so that asyncio does not log it
         raise
     dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
-    return _Drafted("sd", list(response.draft_tokens), dists, (time.perf_counter() - started) * 1000.0, "")
+    return _Drafted(SD, list(response.draft_tokens), dists, (time.perf_counter() - started) * 1000.0, "")

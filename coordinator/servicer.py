@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -15,51 +14,21 @@ from opentelemetry import trace
 
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait
+from coordinator.output import Chunk, Finish, RequestOutput, settle_text
 from coordinator.request import ResolvedRequest, TargetFacts, resolve
-from coordinator.rounds import Generation, drop_target_prefill, sd_rounds, start_target_prefill
+from coordinator.rounds import Generation, RoundResult, drop_target_prefill, sd_rounds, start_target_prefill
 from coordinator.ssd_rounds import ssd_rounds
 from coordinator.ssd_tuning import Sizing
 from coordinator.round_trace import RoundTrace, llm_request, llm_request_stream, record_request, record_response
 from coordinator.stats import RequestStats
 from coordinator.text import TextAssembler
 from coordinator.workers import DraftLink, TargetLink
+from specd.modes import AUTO, OFF, SSD
 from specd.serving import ModelLoading, abort_on_error
 from specd.telemetry import get_tracer, trace_id_hex
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Chunk:
-    """Tokens committed by one round, and the text that became final with them."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-
-
-@dataclasses.dataclass
-class Finish:
-    finish_reason: int
-    stop_reason: str
-    text: str  # the whole generated text
-    token_ids: list[int]
-    logprobs: list[float]
-    usage: coordinator_pb2.Usage
-    stats: coordinator_pb2.SpeculationStats
-
-
-def _settle_text(tokens: list[int], text: TextAssembler, eos_ids: frozenset[int]) -> tuple[list[int], str]:
-    """Add a round's tokens to the text up to the first stop condition; (tokens to commit, stop reason).
-
-    Runs on a text thread: it decodes, whose cost grows with the tokens and stop strings."""
-    for count, token in enumerate(tokens, 1):
-        if text.add(token):
-            return tokens[:count], text.stop_string
-        if token in eos_ids:
-            return tokens[:count], "eos"
-    return tokens, ""
 
 
 # Threads for tokenising prompts and detokenising rounds: a request's text work never holds the
@@ -105,91 +74,87 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self.facts
 
     def _run_mode(self, asked: str) -> str:
-        mode = self.config.default_mode if asked == "auto" else asked
-        if mode == "auto":
-            mode = "ssd" if self.draft is not None else "off"
+        mode = self.config.default_mode if asked == AUTO else asked
+        if mode == AUTO:
+            mode = SSD if self.draft is not None else OFF
         return mode
 
     async def generate(self, request: ResolvedRequest) -> AsyncIterator[Chunk | Finish]:
-        started = time.perf_counter()
-        first_token_s = None
+        """A request's life: its rounds, each round's tokens committed as text, then how it ended."""
+        text = TextAssembler(self._ready_facts().tokenizer, request.prompt_ids, request.stop_strings)
+        output = RequestOutput(text, prompt_len=len(request.prompt_ids))
         span = trace.get_current_span()  # llm_request
         record_request(span, request)
-        facts = self._ready_facts()
-        mode = self._run_mode(request.mode)
-        prompt_len = len(request.prompt_ids)
-        eos_ids = frozenset() if request.ignore_eos else facts.eos_token_ids
-        gen = Generation(
-            session_id=uuid.uuid4().hex,
-            committed=list(request.prompt_ids),
-            sampling=request.sampling,
-            mode=mode,
-            num_speculative_tokens=request.num_speculative_tokens,
-            max_support=self.config.max_support,
-            return_logprobs=request.return_logprobs,
-            max_len=min(facts.context_length, prompt_len + request.max_new_tokens),
-            eos_token_ids=eos_ids,
-            trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
-            draft_wait=DraftWait(self.config.draft_wait_verifies, self.config.draft_wait_min_ms),
-        )
-        stats = RequestStats(requested_mode=mode, seed=request.sampling.seed)
-        text = TextAssembler(facts.tokenizer, request.prompt_ids, request.stop_strings)
-        logprobs: list[float] = []
-        streamed = 0
-        finish_reason, stop_reason = coordinator_pb2.FINISH_REASON_LENGTH, ""
+        gen = self._generation(request)
+        stats = RequestStats(requested_mode=gen.mode, seed=request.sampling.seed)
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         try:
-            if mode == "ssd":
-                # Round 0's verify is the prompt's prefill; the draft speculates beside it.
-                rounds = ssd_rounds(gen, self.target, self.draft, self.config, self.ssd_sizing)
-            else:
-                start_target_prefill(gen, self.target)
-                rounds = sd_rounds(gen, self.target, self.draft)
-            loop = asyncio.get_running_loop()
+            rounds = self._rounds(gen)
             async for result in rounds:
                 stats.add(result)
-                # One thread hop per round; the commit itself stays on the loop, beside the rounds' tasks.
-                committed, stop_reason = await loop.run_in_executor(self._pools["text"], _settle_text, result.tokens, text, eos_ids)
-                gen.committed.extend(committed)
-                if stop_reason:
-                    finish_reason = coordinator_pb2.FINISH_REASON_STOP
-                chunk_logprobs = result.logprobs[: len(committed)] if request.return_logprobs else []
-                logprobs.extend(chunk_logprobs)
-                done = bool(stop_reason) or len(gen.committed) >= gen.max_len
-                end = len(text.text) if done else text.streamable_length()
-                if first_token_s is None and committed:
-                    first_token_s = time.perf_counter() - started
-                yield Chunk(committed, chunk_logprobs, text.text[streamed:end])
-                streamed = max(streamed, end)
-                if done:
+                yield await self._commit(gen, result, output)
+                if output.done:
                     await rounds.aclose()
                     break
         finally:
-            drop_target_prefill(gen)
-            self._end_sessions(gen.session_id)
-            gen.trace.close()
-            if self.metrics is not None:
-                self.metrics.requests_in_flight.dec()
-                self.metrics.observe_speculation(stats)  # what ran, also for a cancelled request
-        completion = len(gen.committed) - prompt_len
-        latency_s = time.perf_counter() - started
-        stats_proto = stats.to_proto()
-        if self.metrics is not None:
-            self.metrics.observe_latency(first_token_s, latency_s, completion)
-        ttft_ms = first_token_s * 1000.0 if first_token_s is not None else None
-        record_response(span, finish_reason, completion, stats_proto, ttft_ms, latency_s * 1000.0)
-        yield Finish(
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            text=text.text,
-            token_ids=gen.committed[prompt_len:],
-            logprobs=logprobs,
-            usage=coordinator_pb2.Usage(
-                prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion
-            ),
-            stats=stats_proto,
+            self._end_request(gen, stats)
+        yield self._finish(span, gen, stats, output)
+
+    def _generation(self, request: ResolvedRequest) -> Generation:
+        """The request's state for its rounds, in the mode it runs."""
+        facts = self._ready_facts()
+        return Generation(
+            session_id=uuid.uuid4().hex,
+            committed=list(request.prompt_ids),
+            sampling=request.sampling,
+            mode=self._run_mode(request.mode),
+            num_speculative_tokens=request.num_speculative_tokens,
+            max_support=self.config.max_support,
+            return_logprobs=request.return_logprobs,
+            max_len=min(facts.context_length, len(request.prompt_ids) + request.max_new_tokens),
+            eos_token_ids=frozenset() if request.ignore_eos else facts.eos_token_ids,
+            trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
+            draft_wait=DraftWait(self.config.draft_wait_verifies, self.config.draft_wait_min_ms),
         )
+
+    def _rounds(self, gen: Generation) -> AsyncIterator[RoundResult]:
+        """The request's round loop: ssd, or sd (which also runs target-only rounds)."""
+        if gen.mode == SSD:
+            # Round 0's verify is the prompt's prefill; the draft speculates beside it.
+            return ssd_rounds(gen, self.target, self.draft, self.config, self.ssd_sizing)
+        start_target_prefill(gen, self.target)
+        return sd_rounds(gen, self.target, self.draft)
+
+    async def _commit(self, gen: Generation, result: RoundResult, output: RequestOutput) -> Chunk:
+        """A round's tokens up to the first stop condition, committed: the chunk they make final."""
+        # One thread hop per round; the commit itself stays on the loop, beside the rounds' tasks.
+        committed, stop_reason = await asyncio.get_running_loop().run_in_executor(
+            self._pools["text"], settle_text, result.tokens, output.text, gen.eos_token_ids
+        )
+        gen.committed.extend(committed)
+        logprobs = result.logprobs[: len(committed)] if gen.return_logprobs else []
+        return output.commit(committed, logprobs, stop_reason, len(gen.committed) >= gen.max_len)
+
+    def _end_request(self, gen: Generation, stats: RequestStats) -> None:
+        """Free what the request holds, however it ended (also cancelled: what ran is counted)."""
+        drop_target_prefill(gen)
+        self._end_sessions(gen.session_id)
+        gen.trace.close()
+        if self.metrics is not None:
+            self.metrics.requests_in_flight.dec()
+            self.metrics.observe_speculation(stats)
+
+    def _finish(self, span: trace.Span, gen: Generation, stats: RequestStats, output: RequestOutput) -> Finish:
+        """How the request ended, with its usage and stats; recorded on its span and metrics."""
+        finish = output.finish(gen.committed[output.prompt_len:], stats.to_proto())
+        completion = finish.usage.completion_tokens
+        latency_s = time.perf_counter() - output.started
+        if self.metrics is not None:
+            self.metrics.observe_latency(output.first_token_s, latency_s, completion)
+        ttft_ms = output.first_token_s * 1000.0 if output.first_token_s is not None else None
+        record_response(span, finish.finish_reason, completion, finish.stats, ttft_ms, latency_s * 1000.0)
+        return finish
 
     def _end_sessions(self, session_id: str) -> None:
         """Free the request's caches on both workers, without making the caller wait."""
@@ -222,13 +187,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     return coordinator_pb2.GenerateResponse(
                         text=event.text,
                         token_ids=event.token_ids,
-                        finish_reason=event.finish_reason,
-                        stop_reason=event.stop_reason,
-                        usage=event.usage,
-                        stats=event.stats,
                         logprobs=event.logprobs,
-                        request_id=resolved.request_id,
-                        trace_id=trace_id,
+                        **event.response_fields(resolved.request_id, trace_id),
                     )
         except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
@@ -237,21 +197,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             resolved = await self._resolve(request)
             async for event in self.generate(resolved):
-                if isinstance(event, Chunk):
-                    if event.token_ids or event.text:
-                        yield coordinator_pb2.GenerateStreamResponse(
-                            text=event.text,
-                            token_ids=event.token_ids,
-                            logprobs=event.logprobs,
-                            request_id=resolved.request_id,
-                            trace_id=trace_id,
-                        )
-                else:
+                if isinstance(event, Finish):
+                    yield coordinator_pb2.GenerateStreamResponse(**event.response_fields(resolved.request_id, trace_id))
+                elif event.token_ids or event.text:
                     yield coordinator_pb2.GenerateStreamResponse(
-                        finish_reason=event.finish_reason,
-                        stop_reason=event.stop_reason,
-                        usage=event.usage,
-                        stats=event.stats,
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        logprobs=event.logprobs,
                         request_id=resolved.request_id,
                         trace_id=trace_id,
                     )

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator.request import MODE_VALUES
 from coordinator.rounds import RoundResult
+from specd.modes import OFF, mode_value
 from specd.v1 import coordinator_pb2
 
 
@@ -42,7 +42,7 @@ class RequestStats:
         self.speculated_early += result.speculated_early
         if result.num_draft:
             self.speculative_rounds += 1
-        if result.mode != "off":
+        if result.mode != OFF:
             self.ran_speculation = True
         if len(self.accepted_per_position) < result.accepted:
             self.accepted_per_position.extend([0] * (result.accepted - len(self.accepted_per_position)))
@@ -59,12 +59,12 @@ class RequestStats:
     @property
     def mode(self) -> str:
         """The mode that ran: the one asked for if any round speculated, else target-only."""
-        return self.requested_mode if self.ran_speculation else "off"
+        return self.requested_mode if self.ran_speculation else OFF
 
     def to_proto(self) -> coordinator_pb2.SpeculationStats:
         lookups = self.cache_hits + self.cache_misses
         return coordinator_pb2.SpeculationStats(
-            mode=MODE_VALUES[self.mode],
+            mode=mode_value(self.mode),
             rounds=self.rounds,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,

@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 from draft_service.runner import DraftModelRunner
-from draft_service.speculation import SpeculationCancelled
-from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
-from specd.telemetry import get_tracer, set_specd, worker_span
+from draft_service.speculation import SpeculationCancelled, SpeculationResult
+from specd.sampling import SamplingSettings
+from specd.serving import InvalidRequest, ModelThread, abort_on_error
+from specd.telemetry import set_specd, worker_span
 from specd.v1 import draft_pb2, draft_pb2_grpc
-from specd.wire import check_id_length, check_session_id, check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
+from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
+from specd.worker_servicer import WorkerServicer, common_info
 
 
-class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
+@dataclasses.dataclass(frozen=True)
+class _SpeculateCall:
+    """A checked SpeculateRequest, in the runner's terms."""
+
+    runner: DraftModelRunner
+    tokens: list[int]  # the committed tail
+    draft_tokens: list[int]
+    fanout: list[int]
+    sampling: SamplingSettings
+    saguaro: tuple[float, list[int]]
+
+
+class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
+    prefill_response = draft_pb2.DraftPrefillResponse
+    end_session_response = draft_pb2.DraftEndSessionResponse
+
     def __init__(self, thread: ModelThread, max_branches: int, max_depth: int):
         """max_branches: most branches per Speculate; max_depth: most draft tokens per Propose,
         per Speculate branch, and verified beside one Speculate (DraftConfig)."""
-        self._thread = thread
+        super().__init__(thread)
         self._max_branches = max_branches
         self._max_depth = max_depth
-        self.runner: DraftModelRunner | None = None  # set once the model is loaded
-        self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_draft
-        self.metrics = None
+
+    def _info(self, loaded) -> draft_pb2.DraftInfo:
+        return draft_pb2.DraftInfo(**common_info(loaded))
 
     async def _traced(self, name: str, call, result_attributes, **attributes):
         """Await a model call inside a worker span (spec_propose, spec_speculate); the span
@@ -30,26 +48,8 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         with worker_span(self.tracer, name, **attributes) as span:
             result = await call
             set_specd(span, **result_attributes(result))
-        if self.metrics is not None:
-            self.metrics.observe_forward(name.removeprefix("spec_"), result.forward_ms)
+        self._observe(name.removeprefix("spec_"), result.forward_ms)
         return result
-
-    def _ready_runner(self) -> DraftModelRunner:
-        if self.runner is None:
-            raise ModelLoading()
-        return self.runner
-
-    async def Prefill(self, request, context):
-        try:
-            runner = self._ready_runner()
-            check_session_id(request.session_id)
-            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
-            cached, forward_ms = await self._thread.run(
-                runner.prefill, request.session_id, request.committed.start, tokens
-            )
-        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
-            await abort_on_error(context, exc)
-        return draft_pb2.DraftPrefillResponse(cached_tokens=cached, forward_ms=forward_ms)
 
     async def Propose(self, request, context):
         try:
@@ -72,7 +72,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 request.max_support,
                 *_saguaro(request.saguaro),
             ), lambda p: {"forward_ms": p.forward_ms}, num_tokens=request.num_tokens)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
@@ -81,48 +81,17 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         )
 
     async def Speculate(self, request, context):
+        """Streams the branches' (k, t*) as soon as step 0 has run, then the whole cache."""
         # Cancelling the call (the coordinator stopped waiting) stops the build between steps;
         # the model thread is then free for the next Propose or Speculate.
         cancel = threading.Event()
         job: asyncio.Future | None = None
         try:
-            runner = self._ready_runner()
-            loaded = runner.loaded
-            check_session_id(request.session_id)
-            draft_tokens, fanout = self._check_speculate_size(request, loaded.vocab_size)
-            tokens = check_committed(
-                request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens
-            )
-            sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
-            loop = asyncio.get_running_loop()
+            call = self._check_speculate(request)
             guesses: asyncio.Queue = asyncio.Queue()
-
-            def on_guesses(roots: list[tuple[int, int]]) -> None:  # on the model thread, after step 0
-                loop.call_soon_threadsafe(guesses.put_nowait, roots)
-
-            job = asyncio.ensure_future(self._traced("spec_speculate", self._thread.run(
-                runner.speculate,
-                request.session_id,
-                request.committed.start,
-                tokens,
-                draft_tokens,
-                request.num_tokens,
-                fanout,
-                sampling,
-                request.max_support,
-                *_saguaro(request.saguaro),
-                cancel,
-                on_guesses,
-            ), lambda r: {"branches": len(r.branches), "forward_ms": r.forward_ms},
-                draft_tokens=len(draft_tokens), steps=request.num_tokens + 1, fanout=fanout))
-            first = asyncio.ensure_future(guesses.get())
-            try:
-                await asyncio.wait({job, first}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not first.done():
-                    first.cancel()
-            if first.done() and not first.cancelled():
-                roots = first.result()
+            job = self._start_build(request, call, cancel, guesses)
+            roots = await _first_guesses(job, guesses)
+            if roots is not None:
                 yield draft_pb2.SpeculateResponse(
                     guesses=draft_pb2.SpeculationGuesses(accepted=[j for j, _ in roots], next_token=[g for _, g in roots])
                 )
@@ -132,16 +101,18 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             raise
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
-        entries = [
-            draft_pb2.SpeculationEntry(
-                accepted=branch.accepted,
-                next_token=branch.next_token,
-                draft_tokens=branch.draft_tokens,
-                draft_probs=[sparse_to_proto(d) for d in branch.draft_dists],
-            )
-            for branch in result.branches
-        ]
-        yield draft_pb2.SpeculateResponse(cache=draft_pb2.SpeculationCache(entries=entries, forward_ms=result.forward_ms))
+        yield draft_pb2.SpeculateResponse(cache=_cache_message(result))
+
+    def _check_speculate(self, request) -> _SpeculateCall:
+        runner = self._ready_runner()
+        loaded = runner.loaded
+        check_session_id(request.session_id)
+        draft_tokens, fanout = self._check_speculate_size(request, loaded.vocab_size)
+        tokens = check_committed(
+            request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens
+        )
+        sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
+        return _SpeculateCall(runner, tokens, draft_tokens, fanout, sampling, _saguaro(request.saguaro))
 
     def _check_speculate_size(self, request, vocab_size: int) -> tuple[list[int], list[int]]:
         """A Speculate's draft tokens and fan-out, within this worker's bounds on one call's work."""
@@ -159,28 +130,60 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             raise InvalidRequest(f"num_tokens must lie in [0, {self._max_depth}] (--max-speculate-depth), got {request.num_tokens}")
         return draft_tokens, fanout
 
-    async def EndSession(self, request, context):
-        try:
-            runner = self._ready_runner()
-            check_id_length(request.session_id, "session_id")
-            existed = await self._thread.run(runner.end_session, request.session_id)
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
-        return draft_pb2.DraftEndSessionResponse(existed=existed)
+    def _start_build(
+        self, request, call: _SpeculateCall, cancel: threading.Event, guesses: asyncio.Queue
+    ) -> asyncio.Future:
+        """The tree build on the model thread, inside its spec_speculate span; the branches'
+        (k, t*) reach `guesses` right after its step 0."""
+        loop = asyncio.get_running_loop()
 
-    async def Info(self, request, context):
-        try:
-            loaded = self._ready_runner().loaded
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
-        return draft_pb2.DraftInfo(
-            model=loaded.name,
-            vocab_size=loaded.vocab_size,
-            context_length=loaded.context_length,
-            dtype=loaded.dtype,
-            device=loaded.device,
-            tokenizer_fingerprint=loaded.tokenizer_fingerprint,
+        def on_guesses(roots: list[tuple[int, int]]) -> None:  # on the model thread, after step 0
+            loop.call_soon_threadsafe(guesses.put_nowait, roots)
+
+        run = self._thread.run(
+            call.runner.speculate,
+            request.session_id,
+            request.committed.start,
+            call.tokens,
+            call.draft_tokens,
+            request.num_tokens,
+            call.fanout,
+            call.sampling,
+            request.max_support,
+            *call.saguaro,
+            cancel,
+            on_guesses,
         )
+        return asyncio.ensure_future(self._traced(
+            "spec_speculate", run, lambda r: {"branches": len(r.branches), "forward_ms": r.forward_ms},
+            draft_tokens=len(call.draft_tokens), steps=request.num_tokens + 1, fanout=call.fanout,
+        ))
+
+
+async def _first_guesses(job: asyncio.Future, guesses: asyncio.Queue) -> list[tuple[int, int]] | None:
+    """The branches' (k, t*) once step 0 has run; None when the build ended first (it failed)."""
+    first = asyncio.ensure_future(guesses.get())
+    try:
+        await asyncio.wait({job, first}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not first.done():
+            first.cancel()
+    if first.done() and not first.cancelled():
+        return first.result()
+    return None
+
+
+def _cache_message(result: SpeculationResult) -> draft_pb2.SpeculationCache:
+    entries = [
+        draft_pb2.SpeculationEntry(
+            accepted=branch.accepted,
+            next_token=branch.next_token,
+            draft_tokens=branch.draft_tokens,
+            draft_probs=[sparse_to_proto(d) for d in branch.draft_dists],
+        )
+        for branch in result.branches
+    ]
+    return draft_pb2.SpeculationCache(entries=entries, forward_ms=result.forward_ms)
 
 
 def _stop_build(cancel: threading.Event, job: asyncio.Future | None) -> None:

@@ -139,10 +139,8 @@ def build(
     branches' (k, t*) right after step 0; `cancel` stops the build between steps.
     """
     assert len(fanout) == len(draft_tokens) + 1, (fanout, draft_tokens)
-    saguaro_fanout = saguaro_fanout or []
-    num_draft = len(draft_tokens)
     started = time.perf_counter()
-    logits, _ = forward_logits(model, session.cache, feed + draft_tokens, num_draft + 1)  # [K+1, V]
+    logits, _ = forward_logits(model, session.cache, feed + draft_tokens, len(draft_tokens) + 1)  # [K+1, V]
     session.extend(feed + draft_tokens)
     roots = _guesses(logits, draft_tokens, fanout)
     if on_guesses is not None:
@@ -151,45 +149,75 @@ def build(
         # Sliding-window caches cannot drop the tree afterwards, and layers that are neither
         # full nor sliding-window attention get no mask here: no branches for them.
         return SpeculationResult([], (time.perf_counter() - started) * 1000.0)
-
-    n = len(committed)  # absolute position of d_1; guess (j, g) sits at n + j
-    prefix_len = len(session.cached_tokens)  # n + K
-    assert prefix_len == n + num_draft
-    device = model.device
-    offsets = torch.tensor([j for j, _ in roots], dtype=torch.long)  # [B]
-    tokens = [g for _, g in roots]
-    branch_tokens: list[list[int]] = [[] for _ in roots]
-    branch_dists: list[list[SparseDist]] = [[] for _ in roots]
-    masks = TreeMasks(model.config, n + offsets, prefix_len, num_tokens, next(model.parameters()).dtype, device)
+    tree = _Tree(model, session, len(committed), roots, num_tokens)
+    assert tree.prefix_len == len(committed) + len(draft_tokens)
+    draft = _TreeDraft(sampling, max_support, saguaro_c, saguaro_fanout or [])
     try:
         for step in range(1, num_tokens + 1):
             if cancel is not None and cancel.is_set():
                 raise SpeculationCancelled()
-            input_ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, B]
-            position_ids = (n + offsets + step - 1).unsqueeze(0).to(device)  # [1, B]
-            output = model(
-                input_ids=input_ids,
-                attention_mask=masks.at(step),  # [1, 1, B, L0 + step*B] (per layer type)
-                position_ids=position_ids,
-                past_key_values=session.cache,
-                use_cache=True,
-            )
-            step_logits = output.logits[0].float().cpu()  # [B, V]
-            saguaro_f = saguaro_fanout[step - 1] if step - 1 < len(saguaro_fanout) else 0
-            tokens = []
-            dists = draft_distributions(step_logits, sampling, max_support, saguaro_c, saguaro_f)
-            for b, (j, _) in enumerate(roots):
-                dist = dists[b]
-                token = sample_draft_token(dist, sampling, n + j + step)
-                branch_tokens[b].append(token)
-                branch_dists[b].append(dist)
-                tokens.append(token)
+            tree.step(step, draft)
     finally:
-        extra = session.cache.get_seq_length() - prefix_len
+        tree.crop()
+    return SpeculationResult(tree.branches(), (time.perf_counter() - started) * 1000.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TreeDraft:
+    """How each tree step's tokens are drafted: the request's sampling and Saguaro settings."""
+
+    sampling: SamplingSettings
+    max_support: int
+    saguaro_c: float
+    saguaro_fanout: list[int]  # per tree step; past its end, no reshaping
+
+    def dists(self, step: int, logits: torch.Tensor) -> list[SparseDist]:
+        saguaro_f = self.saguaro_fanout[step - 1] if step - 1 < len(self.saguaro_fanout) else 0
+        return draft_distributions(logits, self.sampling, self.max_support, self.saguaro_c, saguaro_f)
+
+
+class _Tree:
+    """The B branches grown on top of the session's KV cache, one token each per step."""
+
+    def __init__(self, model, session: Session, n: int, roots: list[tuple[int, int]], num_tokens: int):
+        self.model = model
+        self.session = session
+        self.n = n  # absolute position of d_1; guess (j, g) sits at n + j
+        self.roots = roots
+        self.prefix_len = len(session.cached_tokens)  # n + K
+        self.offsets = torch.tensor([j for j, _ in roots], dtype=torch.long)  # [B]
+        self.tokens = [g for _, g in roots]  # what the next step feeds, one per branch
+        self.branch_tokens: list[list[int]] = [[] for _ in roots]
+        self.branch_dists: list[list[SparseDist]] = [[] for _ in roots]
+        dtype = next(model.parameters()).dtype
+        self.masks = TreeMasks(model.config, n + self.offsets, self.prefix_len, num_tokens, dtype, model.device)
+
+    def step(self, step: int, draft: _TreeDraft) -> None:
+        """One batched forward of the B branch tokens; each branch samples its next token."""
+        device = self.model.device
+        output = self.model(
+            input_ids=torch.tensor([self.tokens], dtype=torch.long, device=device),  # [1, B]
+            attention_mask=self.masks.at(step),  # [1, 1, B, L0 + step*B] (per layer type)
+            position_ids=(self.n + self.offsets + step - 1).unsqueeze(0).to(device),  # [1, B]
+            past_key_values=self.session.cache,
+            use_cache=True,
+        )
+        dists = draft.dists(step, output.logits[0].float().cpu())  # from [B, V]
+        self.tokens = []
+        for b, (j, _) in enumerate(self.roots):
+            token = sample_draft_token(dists[b], draft.sampling, self.n + j + step)
+            self.branch_tokens[b].append(token)
+            self.branch_dists[b].append(dists[b])
+            self.tokens.append(token)
+
+    def crop(self) -> None:
+        """Drop the tree from the KV cache, keeping committed + d_1..d_K."""
+        extra = self.session.cache.get_seq_length() - self.prefix_len
         if extra > 0:
-            session.cache.crop(-extra)  # transformers 5.x: a negative count to drop; keeps committed + d's
-    branches = [
-        Branch(accepted=j, next_token=g, draft_tokens=branch_tokens[b], draft_dists=branch_dists[b])
-        for b, (j, g) in enumerate(roots)
-    ]
-    return SpeculationResult(branches, (time.perf_counter() - started) * 1000.0)
+            self.session.cache.crop(-extra)  # transformers 5.x: a negative count to drop
+
+    def branches(self) -> list[Branch]:
+        return [
+            Branch(accepted=j, next_token=g, draft_tokens=self.branch_tokens[b], draft_dists=self.branch_dists[b])
+            for b, (j, g) in enumerate(self.roots)
+        ]

@@ -14,7 +14,9 @@ import os
 import statistics
 import time
 
-SPECD_MODES = ("off", "sd", "ssd")
+from specd.modes import OFF, SD, SSD, mode_value
+
+SPECD_MODES = (OFF, SD, SSD)
 ALL_MODES = (*SPECD_MODES, "hf_assisted")
 
 
@@ -47,7 +49,7 @@ def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens:
         ignore_eos=False,  # a chat answer ends at its EOS, as it would for a user; every mode stops there
         sampling=common_pb2.SamplingParams(temperature=0.0),
         speculation=coordinator_pb2.SpeculationParams(
-            mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{mode.upper()}"), num_speculative_tokens=k
+            mode=mode_value(mode), num_speculative_tokens=k
         ),
     )
     started = time.perf_counter()
@@ -150,7 +152,7 @@ def summarize(runs: dict[str, list[ModeRun]]) -> dict:
         lookups = sum(r.cache_hits + r.cache_misses for r in mode_runs)
         tokens = sum(r.tokens for r in mode_runs)
         seconds = sum(r.seconds for r in mode_runs)
-        speculative = mode in ("sd", "ssd")
+        speculative = mode in (SD, SSD)
         modes[mode] = {
             "tokens_per_s": statistics.median(rates),
             "tokens_per_s_min": min(rates),
@@ -176,7 +178,7 @@ def skipped_mode(reason: str) -> dict:
 
 
 def format_table(result: dict) -> str:
-    off = result["modes"].get("off", {}).get("tokens_per_s")
+    off = result["modes"].get(OFF, {}).get("tokens_per_s")
     lines = [f"{'mode':<12}{'tok/s':>8}{'spread':>16}{'x off':>8}{'accept':>8}{'tok/round':>10}{'hit rate':>10}"]
 
     def fmt(value, spec):

@@ -8,11 +8,12 @@ import dataclasses
 import time
 
 from specd.sampling import SamplingSettings, SparseDist
-from specd.serving import InvalidRequest, ModelLoading, ModelThread, abort_on_error
+from specd.serving import InvalidRequest, ModelThread, abort_on_error
 from specd.session_cache import SessionNotFound
-from specd.telemetry import get_tracer, set_specd, worker_span
+from specd.telemetry import set_specd, worker_span
 from specd.v1 import target_pb2, target_pb2_grpc
-from specd.wire import check_id_length, check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
+from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
+from specd.worker_servicer import WorkerServicer, common_info
 from target_service.outcomes import VerifyOutcomes
 from target_service.runner import TargetModelRunner, VerifyOutcome
 
@@ -46,39 +47,28 @@ class _Timed:
     ended_ns: int
 
 
-class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
+class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
+    prefill_response = target_pb2.TargetPrefillResponse
+    end_session_response = target_pb2.TargetEndSessionResponse
+
     def __init__(self, thread: ModelThread, verify_after_wait_s: float, tensor_parallel: int = 1):
-        self._thread = thread
+        super().__init__(thread)
         self._tensor_parallel = tensor_parallel
         self._verify_after_wait_s = verify_after_wait_s  # the longest a VerifyAfter waits (TargetConfig)
         self._verifying: collections.Counter[str] = collections.Counter()  # Verify calls in flight per session
-        self.runner: TargetModelRunner | None = None  # set once the model is loaded
-        self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_target
-        self.metrics = None
         # What VerifyAfter waits on; a chosen verify runs on the model thread straight after.
         self._outcomes = VerifyOutcomes(self._run_choice, thread.submit)
 
-    def _observe(self, op: str, forward_ms: float) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_forward(op, forward_ms)
+    def _info(self, loaded) -> target_pb2.TargetInfo:
+        return target_pb2.TargetInfo(
+            **common_info(loaded),
+            eos_token_ids=list(loaded.eos_token_ids),
+            default_sampling=sampling_to_proto(loaded.default_sampling),
+            tensor_parallel=self._tensor_parallel,
+        )
 
-    def _ready_runner(self) -> TargetModelRunner:
-        if self.runner is None:
-            raise ModelLoading()
-        return self.runner
-
-    async def Prefill(self, request, context):
-        try:
-            runner = self._ready_runner()
-            check_session_id(request.session_id)
-            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
-            cached, forward_ms = await self._thread.run(
-                runner.prefill, request.session_id, request.committed.start, tokens
-            )
-            self._observe("prefill", forward_ms)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
-            await abort_on_error(context, exc)
-        return target_pb2.TargetPrefillResponse(cached_tokens=cached, forward_ms=forward_ms)
+    def _forget(self, session_id: str) -> None:
+        self._outcomes.forget(session_id)  # verifies sent ahead for it never run
 
     async def Verify(self, request, context):
         try:
@@ -203,31 +193,4 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             logprobs=outcome.logprobs,
             forward_ms=outcome.forward_ms,
             cached_tokens=outcome.cached_tokens,
-        )
-
-    async def EndSession(self, request, context):
-        try:
-            runner = self._ready_runner()
-            check_id_length(request.session_id, "session_id")
-            self._outcomes.forget(request.session_id)
-            existed = await self._thread.run(runner.end_session, request.session_id)
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
-        return target_pb2.TargetEndSessionResponse(existed=existed)
-
-    async def Info(self, request, context):
-        try:
-            loaded = self._ready_runner().loaded
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
-        return target_pb2.TargetInfo(
-            model=loaded.name,
-            vocab_size=loaded.vocab_size,
-            context_length=loaded.context_length,
-            eos_token_ids=list(loaded.eos_token_ids),
-            default_sampling=sampling_to_proto(loaded.default_sampling),
-            dtype=loaded.dtype,
-            device=loaded.device,
-            tensor_parallel=self._tensor_parallel,
-            tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         )

@@ -28,8 +28,10 @@ from tests.conftest import (
 from tests.stack import RunnerGate, ServiceStack, count_calls, verify_gate
 
 PROMPT = "def add(a, b):"
-UNAVAILABLE_WITHIN_S = 5.0  # "promptly": a hang would run into the 10 s client deadline instead
+# "Promptly": the deadline of calls that must fail UNAVAILABLE (a hang ends DEADLINE_EXCEEDED).
+UNAVAILABLE_WITHIN_S = 5.0
 HANG_DEADLINE_S = 10.0
+RESTARTED_USED_WITHIN_S = 2.5  # "within about a second" of a restart, with room for a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +185,13 @@ def test_target_unreachable_at_start_is_unavailable_quickly(tiny_pair):
         status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HANG_DEADLINE_S).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         for call in (
-            lambda: stub.Generate(request([5, 6, 7], max_new_tokens=4), timeout=HANG_DEADLINE_S),
-            lambda: list(stub.GenerateStream(request([5, 6, 7], max_new_tokens=4), timeout=HANG_DEADLINE_S)),
-            lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=HANG_DEADLINE_S),
+            lambda: stub.Generate(request([5, 6, 7], max_new_tokens=4), timeout=UNAVAILABLE_WITHIN_S),
+            lambda: list(stub.GenerateStream(request([5, 6, 7], max_new_tokens=4), timeout=UNAVAILABLE_WITHIN_S)),
+            lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=UNAVAILABLE_WITHIN_S),
         ):
-            started = time.monotonic()
             with pytest.raises(grpc.RpcError) as raised:
                 call()
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
-            assert time.monotonic() - started < UNAVAILABLE_WITHIN_S
         channel.close()
     finally:
         holder.close()
@@ -205,15 +205,13 @@ def test_target_killed_after_start_is_unavailable_quickly(tiny_pair):
         for mode in (pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_OFF):
             for stream in (False, True):
                 message = request([5, 6, 7], mode=mode, max_new_tokens=16)
-                started = time.monotonic()
                 with pytest.raises(grpc.RpcError) as raised:
                     if stream:
-                        list(stub.GenerateStream(message, timeout=HANG_DEADLINE_S))
+                        list(stub.GenerateStream(message, timeout=UNAVAILABLE_WITHIN_S))
                     else:
-                        stub.Generate(message, timeout=HANG_DEADLINE_S)
+                        stub.Generate(message, timeout=UNAVAILABLE_WITHIN_S)
                 assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
                 assert "target" in raised.value.details()
-                assert time.monotonic() - started < UNAVAILABLE_WITHIN_S
 
 
 @pytest.mark.parametrize("after_messages", [0, 1, 5])
@@ -282,23 +280,29 @@ def test_worker_back_after_an_outage_is_used_within_seconds(stack, reference, wo
     getattr(stack, f"stop_{worker}")()
     outage_until = time.monotonic() + 5.5  # long enough for several growing reconnect back-offs
     while time.monotonic() < outage_until:
-        started = time.monotonic()
-        try:
-            response = stub.Generate(message, timeout=HANG_DEADLINE_S)
+        try:  # answered (target-only) or refused, within the deadline, never hung
+            response = stub.Generate(message, timeout=UNAVAILABLE_WITHIN_S)
             assert worker == "draft" and response.stats.mode == pb.SPECULATION_MODE_OFF
         except grpc.RpcError as error:
             assert worker == "target" and error.code() == grpc.StatusCode.UNAVAILABLE, error
-        assert time.monotonic() - started < UNAVAILABLE_WITHIN_S
         time.sleep(0.2)
     getattr(stack, f"restart_{worker}")()
-    back = time.monotonic()
-    while True:
-        try:
-            response = stub.Generate(message, timeout=HANG_DEADLINE_S)
-            if response.stats.mode == pb.SPECULATION_MODE_SD and not response.stats.fallback_reason:
-                break
-        except grpc.RpcError as error:
-            assert worker == "target" and error.code() == grpc.StatusCode.UNAVAILABLE, error
-        assert time.monotonic() - back < 2.5, f"the restarted {worker} is not used {time.monotonic() - back:.1f} s later"
-        time.sleep(0.05)
+    response = _sd_response_within(stub, message, worker, RESTARTED_USED_WITHIN_S)
     assert list(response.token_ids) == greedy[:8]
+
+
+def _sd_response_within(stub, message: pb.GenerateRequest, worker: str, deadline_s: float) -> pb.GenerateResponse:
+    """The first response that ran sd without a fallback, all of it within deadline_s (each call's
+    deadline is the time left); until then the stopped `worker` may still refuse (target only)."""
+    deadline = time.monotonic() + deadline_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            response = stub.Generate(message, timeout=left)
+            if response.stats.mode == pb.SPECULATION_MODE_SD and not response.stats.fallback_reason:
+                return response
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                break
+            assert worker == "target" and error.code() == grpc.StatusCode.UNAVAILABLE, error
+        time.sleep(0.05)
+    pytest.fail(f"the restarted {worker} is not used within {deadline_s} s")

@@ -351,9 +351,7 @@ def test_killed_rank_takes_the_worker_down(stacks, tp_server):
     while tp_server.health() != health_pb2.HealthCheckResponse.NOT_SERVING:
         assert time.monotonic() < deadline, f"still SERVING after rank 1 died:\n{tp_server.log()}"
         time.sleep(0.05)
-    started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as caught:
-        tp_stub.Generate(request(PROMPTS[0], mode=pb.SPECULATION_MODE_OFF, max_new_tokens=8), timeout=CALL_TIMEOUT_S)
+    with pytest.raises(grpc.RpcError) as caught:  # refused at once: a hang ends DEADLINE_EXCEEDED
+        tp_stub.Generate(request(PROMPTS[0], mode=pb.SPECULATION_MODE_OFF, max_new_tokens=8), timeout=10)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
-    assert time.monotonic() - started < 10
     assert tp_server.process.wait(timeout=15) != 0

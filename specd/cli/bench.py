@@ -16,6 +16,7 @@ from specd.cli import connect
 from specd.cli.supervise import stop_processes
 from specd.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.modes import OFF, SD, SSD
 
 
 def add_parser(subparsers) -> None:
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             print("specd bench: starting the stack ...", file=sys.stderr, flush=True)
             stack, address = start_stack(args)
             stacks.append(stack)
-            if args.tracing_overhead and "ssd" in modes:
+            if args.tracing_overhead and SSD in modes:
                 receiver = start_traced_stacks(args, stacks, traced_addresses)
         runs, verify_times, target_cpus = run_passes(args, modes, prompts, address, traced_addresses)
     finally:
@@ -144,7 +145,7 @@ def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_
     stubs = {name: _stub(addr, args if name == "specd" and args.address else None)
              for name, addr in {"specd": address, **traced_addresses}.items()}
     for stub in stubs.values():
-        bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], "off", 8, args.num_speculative_tokens)  # warm-up
+        bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], OFF, 8, args.num_speculative_tokens)  # warm-up
     for repeat in range(args.repeats):
         passes = {mode: bench.ModeRun() for mode in runs}
         # Prompt by prompt through every mode, in an order that turns with the prompt: the
@@ -159,7 +160,7 @@ def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_
                     hf.add_prompt(passes[mode], prompt, args.max_new_tokens)
                 else:
                     stub = stubs.get(mode, stubs["specd"])
-                    specd_mode = "ssd" if mode in traced_addresses else mode
+                    specd_mode = SSD if mode in traced_addresses else mode
                     bench.add_specd_prompt(passes[mode], stub, prompt, specd_mode, args.max_new_tokens,
                                            args.num_speculative_tokens)
         for mode, result in passes.items():
@@ -180,7 +181,7 @@ def build_summary(args, runs: dict, traced_addresses: dict, skipped: dict[str, s
     if traced_addresses:
         summary["tracing"] = _tracing_overhead(bench.summarize(runs))
     verify_ms = statistics.median(verify_times) if verify_times else None
-    sd = summary["modes"].get("sd")
+    sd = summary["modes"].get(SD)
     sd_tokens_per_round = sd["tokens_per_round"] if sd else None
     limit = sd_tokens_per_round / (verify_ms / 1000.0) if sd_tokens_per_round and verify_ms else None
     target, draft = (args.target, args.draft) if not args.address else _served_models(address, args)
@@ -213,13 +214,13 @@ def report(summary: dict, args, verify_samples: int, target_cpus) -> None:
     if limit:
         sd_tokens_per_round = summary["sd_tokens_per_round"]
         print(f"ssd limit = sd tokens/round {sd_tokens_per_round:.2f} / verify {verify_ms:.2f} ms = {limit:.1f} tok/s")
-        if "ssd" in summary["modes"]:
-            print(f"ssd reached {summary['modes']['ssd']['tokens_per_s'] / limit:.0%} of its limit")
+        if SSD in summary["modes"]:
+            print(f"ssd reached {summary['modes'][SSD]['tokens_per_s'] / limit:.0%} of its limit")
     per_round = [f"{mode} {m['ms_per_round']:.2f} ms (verify forward {m['verify_ms_per_round']:.2f} ms)"
                  for mode, m in summary["modes"].items() if m.get("ms_per_round")]
     if per_round:
         print("per round in the stack, prefill included: " + ", ".join(per_round)
-              + (" (ssd's verify forwards include its round 0's, which is the prompt's prefill)" if "ssd" in summary["modes"] else ""))
+              + (" (ssd's verify forwards include its round 0's, which is the prompt's prefill)" if SSD in summary["modes"] else ""))
     if "tracing" in summary:
         t = summary["tracing"]
         print(f"tracing (ssd tok/s): disabled {t['disabled_tokens_per_s']:.1f}, no exporter "
@@ -251,12 +252,12 @@ def _tracing_overhead(modes: dict) -> dict:
     exported = modes["ssd_tracing_exported"]["tokens_per_s"]
     return {
         "disabled_tokens_per_s": disabled,
-        "default_tokens_per_s": modes["ssd"]["tokens_per_s"],
+        "default_tokens_per_s": modes[SSD]["tokens_per_s"],
         "exported_tokens_per_s": exported,
         "exported_cost": 1.0 - exported / disabled if disabled else None,
     }
 
 
 def _identical(runs: dict[str, list]) -> bool:
-    outputs = [r.outputs for mode, mode_runs in runs.items() if mode in ("off", "sd", "ssd") for r in mode_runs]
+    outputs = [r.outputs for mode, mode_runs in runs.items() if mode in (OFF, SD, SSD) for r in mode_runs]
     return all(o == outputs[0] for o in outputs)

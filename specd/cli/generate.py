@@ -8,10 +8,10 @@ import os
 import sys
 
 from specd.cli import connect
+from specd.modes import AUTO, MODES, mode_name, mode_value
 
 DEFAULT_ADDRESS = "localhost:50051"
 FINISH_REASONS = {0: "", 1: "stop", 2: "length"}
-MODES = ("auto", "ssd", "sd", "off")
 
 
 def default_address() -> str:
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--mode", choices=MODES, default="auto", help="speculation mode")
+    parser.add_argument("--mode", choices=MODES, default=AUTO, help="speculation mode")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="K draft tokens per round")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -59,9 +59,7 @@ def build_request(args: argparse.Namespace):
         value = getattr(args, field)
         if value is not None:
             setattr(sampling, field, value)
-    speculation = coordinator_pb2.SpeculationParams(
-        mode=getattr(coordinator_pb2, f"SPECULATION_MODE_{args.mode.upper()}")
-    )
+    speculation = coordinator_pb2.SpeculationParams(mode=mode_value(args.mode))
     if args.num_speculative_tokens is not None:
         speculation.num_speculative_tokens = args.num_speculative_tokens
     request = coordinator_pb2.GenerateRequest(
@@ -83,10 +81,8 @@ def build_request(args: argparse.Namespace):
 
 
 def stats_dict(stats) -> dict:
-    from specd.v1 import coordinator_pb2
-
     return {
-        "mode": coordinator_pb2.SpeculationMode.Name(stats.mode).removeprefix("SPECULATION_MODE_").lower(),
+        "mode": mode_name(stats.mode),
         "rounds": stats.rounds,
         "draft_tokens": stats.draft_tokens,
         "accepted_tokens": stats.accepted_tokens,

@@ -1,0 +1,86 @@
+"""What the two model workers' servicers share: readiness, Prefill, EndSession, Info's common part.
+
+DraftServicer and TargetServicer subclass WorkerServicer; each adds its own RPCs (Propose and
+Speculate; Verify and VerifyAfter) and names its response messages.
+"""
+
+from __future__ import annotations
+
+from specd.serving import ModelLoading, ModelThread, abort_on_error
+from specd.telemetry import get_tracer
+from specd.wire import check_committed, check_id_length, check_session_id
+
+
+class WorkerServicer:
+    """A model worker's servicer: its requests run on `thread`, once `runner` is loaded."""
+
+    def __init__(self, thread: ModelThread):
+        self._thread = thread
+        self.runner = None  # set once the model is loaded (start_worker)
+        self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_worker
+        self.metrics = None
+
+    # The subclass's response messages and info message (its proto module's types).
+    prefill_response: type
+    end_session_response: type
+
+    def _info(self, loaded):
+        """The worker's Info message for the loaded model; common_info(loaded) holds the shared fields."""
+        raise NotImplementedError
+
+    def _forget(self, session_id: str) -> None:
+        """Drop what this worker holds for a session besides its KV cache (EndSession)."""
+
+    def _ready_runner(self):
+        """The loaded runner; ModelLoading (UNAVAILABLE) until the model is loaded and warm."""
+        if self.runner is None:
+            raise ModelLoading()
+        return self.runner
+
+    def _observe(self, op: str, forward_ms: float) -> None:
+        """The model time of one call, in specd_forward_seconds{op}."""
+        if self.metrics is not None:
+            self.metrics.observe_forward(op, forward_ms)
+
+    async def Prefill(self, request, context):
+        try:
+            runner = self._ready_runner()
+            check_session_id(request.session_id)
+            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
+            cached, forward_ms = await self._thread.run(
+                runner.prefill, request.session_id, request.committed.start, tokens
+            )
+            self._observe("prefill", forward_ms)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
+            await abort_on_error(context, exc)
+        return self.prefill_response(cached_tokens=cached, forward_ms=forward_ms)
+
+    async def EndSession(self, request, context):
+        try:
+            runner = self._ready_runner()
+            # Only its length: ending a session id that never existed answers existed=False.
+            check_id_length(request.session_id, "session_id")
+            self._forget(request.session_id)
+            existed = await self._thread.run(runner.end_session, request.session_id)
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return self.end_session_response(existed=existed)
+
+    async def Info(self, request, context):
+        try:
+            loaded = self._ready_runner().loaded
+        except Exception as exc:  # noqa: BLE001
+            await abort_on_error(context, exc)
+        return self._info(loaded)
+
+
+def common_info(loaded) -> dict:
+    """The fields DraftInfo and TargetInfo share, from a LoadedModel."""
+    return {
+        "model": loaded.name,
+        "vocab_size": loaded.vocab_size,
+        "context_length": loaded.context_length,
+        "dtype": loaded.dtype,
+        "device": loaded.device,
+        "tokenizer_fingerprint": loaded.tokenizer_fingerprint,
+    }
