@@ -49,7 +49,6 @@ class CoordinatorConfig:
     ssd_speculate_early: bool = setting(
         True, "ssd, with verify ahead: start round T+1's Speculate for round T's likeliest outcome before Verify(T) answers"
     )
-    ssd_adaptive: bool = setting(True, "ssd: adapt K and the budget from acceptance and measured draft/verify times")
     trace_max_round_spans: int = setting(
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
