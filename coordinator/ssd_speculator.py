@@ -156,8 +156,7 @@ class Speculator:
     def _drop(self, early: tuple[Speculation, int]) -> None:
         speculation, base = early
         speculation.task.cancel()
-        session = self._gen.draft_session
-        session.sent = min(session.sent, base)  # the draft may hold the assumed tokens
+        self._gen.draft_session.unsure_after(base)  # the draft may hold the assumed tokens
 
     async def collect(self, speculation: Speculation, outcome: Outcome, verify_ms: float) -> Collected:
         """The cache once built, or why not.

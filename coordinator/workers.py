@@ -53,6 +53,11 @@ class WorkerSession:
         (a worker may cache fewer tokens than it was sent: a prefill keeps the last one back)."""
         self.sent = len(committed) if cached is None else min(len(committed), cached)
 
+    def unsure_after(self, position: int) -> None:
+        """The worker may hold tokens past `position` that were never committed (a call for an
+        outcome that did not come): the next call re-sends the history from there."""
+        self.sent = min(self.sent, position)
+
 
 def remaining_s(deadline: float) -> float:
     """Seconds left before `deadline` (time.monotonic()); DEADLINE_EXCEEDED, as gRPC says it, if none.
