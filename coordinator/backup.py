@@ -1,8 +1,44 @@
-"""Zero-cost backup drafts for SSD cache misses: prompt lookup over the committed history."""
+"""ssd's backup: the draft of a round whose cache lookup missed.
+
+A prompt-lookup guess over the committed history (`ngram`, no model call) or a just-in-time
+Propose on the draft worker (`jit`), as config.ssd_backup says.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+from coordinator.config import CoordinatorConfig
+from coordinator.draft_wait import answer_within
+from coordinator.rounds import Generation
+from coordinator.speculation_cache import Draft
+from coordinator.ssd_sizing import RequestSizing
+from coordinator.ssd_speculator import saguaro
+from coordinator.workers import DraftLink
 from specd.sampling import SparseDist
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupDraft(Draft):
+    source: str = ""  # ngram or jit: what drafted it
+
+
+async def draft_after_miss(gen: Generation, draft: DraftLink, config: CoordinatorConfig, sizing: RequestSizing, num_draft: int) -> BackupDraft:
+    """A miss's draft of `num_draft` tokens; raises DraftFailed when a Propose fails or hangs.
+
+    A lookup that finds no match would leave the round no draft at all, one token for a whole
+    verification: the draft proposes instead (source `jit`).
+    """
+    if config.ssd_backup == "ngram":
+        guess = prompt_lookup(gen.committed, num_draft)
+        if guess:
+            return BackupDraft(guess, one_hot(guess), "ngram")
+    vocab = draft.info.vocab_size
+    params = saguaro(config, gen, sizing.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
+    proposal = draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, params)
+    response = await answer_within(draft, proposal, gen.draft_wait_s())
+    dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in response.draft_probs]
+    return BackupDraft(list(response.draft_tokens), dists, "jit")
 
 
 def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> list[int]:

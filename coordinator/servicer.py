@@ -18,7 +18,6 @@ from coordinator.output import Chunk, Finish, RequestOutput, settle_text
 from coordinator.request import ResolvedRequest, TargetFacts, resolve
 from coordinator.rounds import Generation, RoundResult, drop_target_prefill, sd_rounds, start_target_prefill
 from coordinator.ssd_rounds import ssd_rounds
-from coordinator.ssd_tuning import Sizing
 from coordinator.round_trace import RoundTrace, llm_request, llm_request_stream, record_request, record_response
 from coordinator.stats import RequestStats
 from coordinator.text import TextAssembler
@@ -46,8 +45,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.target = target
         self.draft = draft
         self.facts: TargetFacts | None = None  # set once the target worker has answered
-        # ssd's budget B, chosen by measured throughput across requests.
-        self.ssd_sizing = Sizing(max_budget=config.ssd_budget)
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_coordinator
         self.metrics = None
         # Separate pools: prompts waiting to be tokenised never delay a running stream's text.
@@ -122,7 +119,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The request's round loop: ssd, or sd (which also runs target-only rounds)."""
         if gen.mode == SSD:
             # Round 0's verify is the prompt's prefill; the draft speculates beside it.
-            return ssd_rounds(gen, self.target, self.draft, self.config, self.ssd_sizing)
+            return ssd_rounds(gen, self.target, self.draft, self.config)
         start_target_prefill(gen, self.target)
         return sd_rounds(gen, self.target, self.draft)
 

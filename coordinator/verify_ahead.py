@@ -16,24 +16,16 @@ import dataclasses
 from typing import Callable
 
 from coordinator.rounds import Generation
+from coordinator.speculation_cache import CachedDraft, Draft, Outcome, SpeculationCache
 from coordinator.workers import TargetLink, verify_request
-from specd.sampling import SparseDist
-from specd.v1 import common_pb2, draft_pb2, target_pb2
-
-Outcome = tuple[int, int]  # (k, t*)
-
-
-@dataclasses.dataclass(frozen=True)
-class AheadDraft:
-    tokens: list[int]
-    dists: list[SparseDist]
+from specd.v1 import common_pb2, target_pb2
 
 
 @dataclasses.dataclass(frozen=True)
 class SentAhead:
     """Round T+1's draft for the outcome Verify(T) reported, and the call that verifies it."""
 
-    draft: AheadDraft
+    draft: Draft
     call: asyncio.Future  # -> target_pb2.VerifyAfterResponse
     deadline: float  # the call's (time.monotonic()), which a Verify standing in for it shares
 
@@ -57,14 +49,14 @@ class VerifyAhead:
         self._call: asyncio.Future | None = None
         self._deadline = 0.0  # that of the call in flight
         # Each choice's cache entry and how many of its draft tokens the choice verifies.
-        self._choices: dict[Outcome, tuple[draft_pb2.SpeculationEntry, int]] = {}
+        self._choices: dict[Outcome, tuple[CachedDraft, int]] = {}
         self.answered_ahead = False  # the latest answer() came from the verify sent ahead
 
     def send(
         self,
         committed: list[int],
         verifying: list[int],
-        cache: draft_pb2.SpeculationCache,
+        cache: SpeculationCache,
         num_draft: Callable[[int], int],
     ) -> None:
         """Offer the target round T+1 for every cached outcome of verifying `verifying` after
@@ -76,17 +68,18 @@ class VerifyAhead:
         gen = self._gen
         after = len(committed)
         choices = []
-        for entry in cache.entries:
-            emitted = verifying[: entry.accepted] + [entry.next_token]  # d_1..d_k, t*
+        for cached in cache:
+            emitted = verifying[: cached.accepted] + [cached.next_token]  # d_1..d_k, t*
             count = num_draft(gen.max_len - after - len(emitted))
             if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted):
                 continue
             tail = common_pb2.CommittedTokens(start=after, token_ids=emitted)
+            wire = cached.entry  # forwarded as the draft sent it
             request = verify_request(
-                gen.session_id, tail, entry.draft_tokens[:count], entry.draft_probs[:count], gen.sampling, gen.return_logprobs
+                gen.session_id, tail, wire.draft_tokens[:count], wire.draft_probs[:count], gen.sampling, gen.return_logprobs
             )
-            choices.append(target_pb2.VerifyChoice(accepted=entry.accepted, next_token=entry.next_token, verify=request))
-            self._choices[(entry.accepted, entry.next_token)] = (entry, count)
+            choices.append(target_pb2.VerifyChoice(accepted=cached.accepted, next_token=cached.next_token, verify=request))
+            self._choices[cached.outcome] = (cached, count)
         if choices:
             self._deadline = self._target.deadline()
             self._call = asyncio.ensure_future(self._target.verify_after(gen.session_id, after, choices, self._deadline))
@@ -98,10 +91,9 @@ class VerifyAhead:
         if choice is None:
             self.cancel()
             return None
-        entry, count = choice
+        cached, count = choice
         # Only the winning entry's q is turned into SparseDists: the fallback Verify needs them.
-        dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in entry.draft_probs[:count]]
-        sent = SentAhead(AheadDraft(list(entry.draft_tokens[:count]), dists), self._call, self._deadline)
+        sent = SentAhead(cached.draft(count), self._call, self._deadline)
         self._call, self._choices = None, {}
         return sent
 

@@ -17,6 +17,7 @@ from typing import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.speculation_cache import SpeculationCache
 from specd.sampling import SamplingSettings, SparseDist
 from specd.serving import GRPC_OPTIONS, StatusError, Unavailable
 from specd.telemetry import trace_metadata
@@ -51,6 +52,11 @@ class WorkerSession:
         """The worker answered a call sent `committed`; the next call continues from what it caches
         (a worker may cache fewer tokens than it was sent: a prefill keeps the last one back)."""
         self.sent = len(committed) if cached is None else min(len(committed), cached)
+
+    def unsure_after(self, position: int) -> None:
+        """The worker may hold tokens past `position` that were never committed (a call for an
+        outcome that did not come): the next call re-sends the history from there."""
+        self.sent = min(self.sent, position)
 
 
 def remaining_s(deadline: float) -> float:
@@ -355,7 +361,7 @@ class DraftLink:
         committed: list[int],
         request: draft_pb2.SpeculateRequest,
         guesses: asyncio.Future,
-    ) -> draft_pb2.SpeculationCache:
+    ) -> SpeculationCache:
         """SSD: run Speculate and return its cache; cancelling the caller cancels the build.
 
         `guesses` gets the set of (k, t*) the cache will hold as soon as the draft knows them,
@@ -371,7 +377,7 @@ class DraftLink:
                         guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
                 else:
                     cache = message.cache
-            return cache
+            return SpeculationCache.from_wire(cache)
 
         return await self._call(lambda: _synced_call(session, committed, call, time.monotonic() + self.timeout_s))
 

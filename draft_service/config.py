@@ -16,7 +16,7 @@ class DraftConfig(WorkerConfig):
     metrics_port: int = setting(9403, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     max_support: int = setting(64, "at temperature > 0, truncate each q to its top-N tokens")
     # Bounds on one call's work, so that no caller holds the model thread for long: 8x the
-    # coordinator's default --ssd-budget (16), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
+    # coordinator's default --ssd-budget (8), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
     max_speculate_branches: int = setting(
         128, "Speculate: most branches one call may ask for (its fan-out's sum); keep >= the coordinator's --ssd-budget"
     )

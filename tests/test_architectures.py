@@ -24,8 +24,8 @@ from tests.tiny_models import save_pair
 
 MAX_NEW = 40  # past the 16-token windows, with the prompt
 PROMPTS = ["def add(a, b):", "class Point:\n    def"]
-HIT = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False)
-MISS = dict(ssd_budget=0, ssd_backup="jit", ssd_adaptive=False)
+HIT = dict(ssd_budget=16, ssd_backup="jit")
+MISS = dict(ssd_budget=0, ssd_backup="jit")
 
 
 @pytest.mark.parametrize("architecture", ["gpt2", "gpt_neox", "qwen2", "gemma2"])

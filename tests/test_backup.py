@@ -11,11 +11,10 @@ import types
 import scipy.stats
 import torch
 
-from coordinator.backup import one_hot, prompt_lookup
+from coordinator.backup import draft_after_miss, one_hot, prompt_lookup
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation
-from coordinator.ssd_rounds import _draft_without_cache
-from coordinator.ssd_tuning import Tuning
+from coordinator.ssd_sizing import RequestSizing
 from specd.sampling import SamplingSettings, logits_to_probs, sparse_to_dense
 from specd.v1 import common_pb2, draft_pb2
 from specd.verify import rejection_sample
@@ -56,8 +55,8 @@ class _ProposingDraft:
 def _miss_draft(history: list[int], draft: _ProposingDraft):
     gen = Generation("s", list(history), SamplingSettings(), "ssd", 3, 8, False, max_len=64)
     config = CoordinatorConfig(ssd_backup="ngram")
-    tuning = Tuning(max_k=3, max_budget=config.ssd_budget, adaptive=False)
-    return asyncio.run(_draft_without_cache(gen, draft, config, tuning, 3, "ngram"))
+    sizing = RequestSizing(k=3, budget=config.ssd_budget)
+    return asyncio.run(draft_after_miss(gen, draft, config, sizing, 3))
 
 
 def test_ngram_backup_guesses_where_the_history_matches_and_proposes_where_it_does_not():

@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation
 from coordinator.server import start_coordinator
-from coordinator.verify_ahead import AheadDraft, SentAhead, VerifyAhead
+from coordinator.speculation_cache import Draft
+from coordinator.verify_ahead import SentAhead, VerifyAhead
 from coordinator.workers import TargetLink, TargetUnavailable, verify_request
 from specd.sampling import SamplingSettings
 from specd.v1 import common_pb2, target_pb2
@@ -236,7 +237,7 @@ def test_verify_sent_ahead_and_its_fallback_share_one_deadline(chaos):
         choice = target_pb2.VerifyChoice(accepted=0, next_token=8, verify=verify)
         deadline = link.deadline()
         call = asyncio.ensure_future(link.verify_after(gen.session_id, 3, [choice], deadline))
-        sent = SentAhead(AheadDraft([9], []), call, deadline)
+        sent = SentAhead(Draft([9], []), call, deadline)
         try:
             with pytest.raises(TargetUnavailable):
                 await asyncio.wait_for(ahead.answer(sent, [5, 6, 7, 8]), WORKER_TIMEOUT_S + MARGIN_S)

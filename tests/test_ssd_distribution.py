@@ -46,7 +46,7 @@ IN_FLIGHT = 8  # concurrent requests: the stack serves them side by side, each i
 SLOWED_VERIFY_S = 0.02  # with 8 requests in flight, 10 ms left every cache late (no verify went ahead)
 
 
-OVERRIDES = dict(ssd_budget=BUDGET, ssd_backup="jit", ssd_adaptive=False, ssd_saguaro_c=SAGUARO_C)
+OVERRIDES = dict(ssd_budget=BUDGET, ssd_backup="jit", ssd_saguaro_c=SAGUARO_C)
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,10 @@ def slowed_target_stub(tiny_pair):
     The next Speculate starts early for every such cache (the tiny pair's acceptance alone
     makes no outcome likely enough): most are for an outcome that does not come and are
     cancelled, the rest are adopted."""
-    from coordinator import ssd_rounds
+    from coordinator import ssd_speculator
 
     with pytest.MonkeyPatch.context() as patch, running_stack(*tiny_pair, coordinator_overrides=OVERRIDES) as stack:
-        patch.setattr(ssd_rounds, "_EARLY_MIN_PROBABILITY", 0.0)
+        patch.setattr(ssd_speculator, "_EARLY_MIN_PROBABILITY", 0.0)
         slow_verify(stack.target.servicer.runner, SLOWED_VERIFY_S)
         yield stack.stub()
 

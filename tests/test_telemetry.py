@@ -269,25 +269,22 @@ def test_without_an_exporter_calls_carry_the_traceparent_themselves(clean_env):
     "overrides, reasons",
     [
         # No cache is ever built: every lookup after round 0 misses, for that reason alone.
-        (dict(ssd_budget=0, ssd_backup="jit", ssd_adaptive=False), {"no_speculation"}),
+        (dict(ssd_budget=0, ssd_backup="jit"), {"no_speculation"}),
         # A cache built and waited for: a miss can only be an outcome it did not cover.
-        (dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False), {"uncovered"}),
+        (dict(ssd_budget=16, ssd_backup="jit"), {"uncovered"}),
     ],
 )
 def test_ssd_rounds_say_why_a_lookup_missed(traced, overrides, reasons):
-    from coordinator.ssd_tuning import Sizing
-
     stack, exporters = traced
     servicer = stack.coordinator.servicer
-    config, sizing = servicer.config, servicer.ssd_sizing
+    config = servicer.config
     servicer.config = dataclasses.replace(config, **overrides)
-    servicer.ssd_sizing = Sizing(max_budget=servicer.config.ssd_budget)
     try:
         ssd = _request(24)
         ssd.speculation.mode = pb.SPECULATION_MODE_SSD
         response = stack.stub().Generate(ssd, timeout=CALL_TIMEOUT_S)
     finally:
-        servicer.config, servicer.ssd_sizing = config, sizing
+        servicer.config = config
     assert response.stats.mode == pb.SPECULATION_MODE_SSD
     rounds = [s for s in _spans(exporters, response.trace_id)["coordinator"] if s.name == "spec_round"]
     misses = [s for s in rounds if s.attributes.get("specd.round.cache") == "miss"]
@@ -301,13 +298,10 @@ def test_ssd_rounds_say_why_a_lookup_missed(traced, overrides, reasons):
 def test_a_verify_sent_ahead_has_its_span_under_its_call(traced):
     """The target runs a chosen verify from its model thread; its spec_verify span still sits
     under the VerifyAfter call, at the times the forward ran."""
-    from coordinator.ssd_tuning import Sizing
-
     stack, exporters = traced
     servicer, runner = stack.coordinator.servicer, stack.target.servicer.runner
-    config, sizing = servicer.config, servicer.ssd_sizing
-    servicer.config = dataclasses.replace(config, ssd_budget=16, ssd_backup="jit", ssd_adaptive=False)
-    servicer.ssd_sizing = Sizing(max_budget=16)
+    config = servicer.config
+    servicer.config = dataclasses.replace(config, ssd_budget=16, ssd_backup="jit")
     slow_verify(runner, 0.05)  # slower than the tiny draft's tree build: caches arrive in time
     try:
         ssd = _request(24)
@@ -315,7 +309,7 @@ def test_a_verify_sent_ahead_has_its_span_under_its_call(traced):
         response = stack.stub().Generate(ssd, timeout=CALL_TIMEOUT_S)
     finally:
         del runner.verify  # the class's own again
-        servicer.config, servicer.ssd_sizing = config, sizing
+        servicer.config = config
     assert response.stats.verified_ahead > 0
     target = _spans(exporters, response.trace_id)["target"]
     calls = {s.context.span_id: s for s in target if s.name.endswith("/VerifyAfter")}

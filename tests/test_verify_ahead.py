@@ -269,7 +269,7 @@ def test_ssd_rounds_verified_ahead_stay_exact(tiny_pair, verify_ahead):
     prompt = "def add(a, b):"
     ids = tokenizer.encode(prompt, add_special_tokens=True)
     want = greedy_reference(model, ids, 40)
-    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False, ssd_verify_ahead=verify_ahead)
+    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_verify_ahead=verify_ahead)
     with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
         slow_verify(stack.target.servicer.runner, 0.05)
         matched = _record_verify_after(stack.coordinator.servicer)
@@ -293,7 +293,7 @@ def test_requests_verified_ahead_end_cleanly(tiny_pair, max_new_tokens):
     ids = tokenizer.encode("class Point:\n    def", add_special_tokens=True)
     want = greedy_reference(model, ids, max_new_tokens)
     stop = tokenizer.decode(want[len(want) // 2 : len(want) // 2 + 2])
-    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False)
+    overrides = dict(ssd_budget=16, ssd_backup="jit")
     with running_stack(*tiny_pair, coordinator_overrides=overrides) as stack:
         slow_verify(stack.target.servicer.runner, 0.05)
         matched = _record_verify_after(stack.coordinator.servicer)
@@ -323,17 +323,17 @@ def test_speculate_started_early_stays_exact(tiny_pair, case, speculate_early, m
     """Round T+1's Speculate starts for round T's likeliest outcome before Verify(T) answers;
     an outcome that does not come cancels it. Either way the output is the target's own, and
     both workers end the session."""
-    from coordinator import ssd_rounds as ssd_rounds_module
+    from coordinator import ssd_speculator
 
     if min_probability is not None:
-        monkeypatch.setattr(ssd_rounds_module, "_EARLY_MIN_PROBABILITY", min_probability)
+        monkeypatch.setattr(ssd_speculator, "_EARLY_MIN_PROBABILITY", min_probability)
     target, draft = tiny_pair
     if case == "self-draft":
         draft = target
     model, tokenizer = load_reference(target)
     ids = tokenizer.encode("def add(a, b):", add_special_tokens=True)
     want = greedy_reference(model, ids, 48)
-    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_adaptive=False, ssd_speculate_early=speculate_early)
+    overrides = dict(ssd_budget=16, ssd_backup="jit", ssd_speculate_early=speculate_early)
     with running_stack(target, draft, coordinator_overrides=overrides) as stack:
         slow_verify(stack.target.servicer.runner, 0.05)
         response = stack.stub().Generate(

@@ -12,7 +12,7 @@ with as few cores as this one, CPU spent off the critical path still slows it).
     python tools/measure_ssd.py ... --settings "ssd:ssd_budget=8" "ssd:ssd_budget=24,ssd_backup=ngram"
 
 A setting is MODE[:field=value,...] with CoordinatorConfig fields (ssd_budget, ssd_backup,
-ssd_fanout_r, ssd_saguaro_c, ssd_adaptive, num_speculative_tokens).
+ssd_fanout_r, ssd_saguaro_c, num_speculative_tokens).
 """
 
 from __future__ import annotations

@@ -1,0 +1,44 @@
+"""One ssd request's K, budget B and running acceptance: what sizes its speculation trees.
+
+K and B are the request's (its num_speculative_tokens, the coordinator's --ssd-budget) and do
+not move: an adaptive controller that moved them from measured throughput did not beat a fixed
+budget on the default pair (docs/ssd.md, "Budget: fixed"). The acceptance is the request's own,
+never shared with other requests: the fan-out spreads the budget over the outcomes (k, t*) it
+makes likely (specd/fanout.py), and the early Speculate bets on the likeliest of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specd import fanout as fanout_lib
+
+# Acceptance (per token) before the request has verified anything, and its weight in rounds.
+_PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.7, 2.0
+_DECAY = 0.9  # per round: recent rounds dominate the estimate
+
+
+@dataclasses.dataclass
+class RequestSizing:
+    """A request's fixed K and budget, and its per-token acceptance from decayed counts: the
+    capped-geometric maximum-likelihood estimate (accepted tokens over accepted tokens plus
+    rejections)."""
+
+    k: int
+    budget: int
+    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
+    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe_round(self, num_draft: int, accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.accepted = self.accepted * _DECAY + accepted
+        self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
+
+    def fanout(self, num_draft: int, vocab_size: int, r: float) -> list[int]:
+        """F_0..F_K: guesses per outcome k of verifying `num_draft` tokens, under the budget."""
+        return fanout_lib.allocate(self.acceptance, num_draft, self.budget, vocab_size, r)

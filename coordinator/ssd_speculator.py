@@ -1,0 +1,234 @@
+"""ssd's SPECULATE side: a request's Speculate calls, and the wait for the cache they build.
+
+- beside(): Speculate(T) goes out with Verify(T); the draft guesses Verify(T)'s outcomes
+  (k, t*) - F_k guesses per k under the budget (coordinator/ssd_sizing.py) - and drafts K'
+  tokens after each (draft_service/speculation.py).
+- send_ahead(): the cache is in while Verify(T) still runs: round T+1's verify for each cached
+  outcome goes to the target at once (coordinator/verify_ahead.py), and, with
+  config.ssd_speculate_early, Speculate(T+1) starts for Verify(T)'s likeliest outcome (early):
+  on a hit sent ahead the target runs round T+1 straight after round T, and a tree started only
+  after two more trips would arrive after Verify(T+1). adopt() takes that early Speculate as
+  round T+1's when its outcome came true; another outcome cancels it (discard()).
+- collect(): the cache once built, or why not (Collected), within the draft wait bounds.
+
+Whatever happens, the committed tokens stay the coordinator's: an early Speculate that is
+dropped resets the draft session to what the draft surely holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from coordinator.config import CoordinatorConfig
+from coordinator.rounds import Generation
+from coordinator.speculation_cache import Outcome, SpeculationCache
+from coordinator.ssd_sizing import RequestSizing
+from coordinator.verify_ahead import VerifyAhead
+from coordinator.workers import DraftFailed, DraftLink
+from specd.v1 import draft_pb2
+from specd.wire import sampling_to_proto
+
+# Speculate early only for an outcome at least this likely: one that does not come true is
+# cancelled, and the Speculate that replaces it waits for the draft's current tree step.
+_EARLY_MIN_PROBABILITY = 0.5
+
+# Why a round's cache lookup missed, on its span (`specd.round.miss`): the outcome was not among
+# the guesses, the build was given up on, the Speculate call failed, or none was made for it.
+MISS_UNCOVERED, MISS_LATE, MISS_FAILED, MISS_NO_SPECULATION = "uncovered", "late", "failed", "no_speculation"
+
+
+def saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
+    """Saguaro sampling for drafts whose positions will get `fanout` guesses; None when off."""
+    if gen.sampling.greedy or config.ssd_saguaro_c >= 1.0 or not fanout:
+        return None
+    return draft_pb2.SaguaroParams(c=config.ssd_saguaro_c, fanout=fanout)
+
+
+@dataclasses.dataclass
+class Speculation:
+    """A Speculate call in flight beside the verify of `verifying` after `committed`: the cache
+    for the round after that verify's."""
+
+    task: asyncio.Future  # -> SpeculationCache
+    guesses: asyncio.Future  # -> the outcomes (k, t*) the cache will hold
+    branches: int
+    num_tokens: int  # K' drafted after each guess
+    started: float  # time.perf_counter()
+    committed: list[int]
+    verifying: list[int]
+    sent_ahead: bool = False  # its cache has gone on to the target (send_ahead)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collected:
+    """What collect() got: the cache, or why none (a MISS_* reason; `failure` when the draft failed)."""
+
+    cache: SpeculationCache | None
+    miss: str = ""
+    failure: str = ""
+
+
+class Speculator:
+    """One request's Speculate calls: beside a verify, and early."""
+
+    def __init__(self, gen: Generation, draft: DraftLink | None, config: CoordinatorConfig, sizing: RequestSizing, ahead: VerifyAhead):
+        self._gen, self._draft, self._config, self._sizing = gen, draft, config, sizing
+        self.ahead = ahead
+        self._early: tuple[Speculation, int] | None = None  # and len(committed) the draft surely holds
+
+    def beside(self, committed: list[int], verifying: list[int]) -> Speculation:
+        """Start Speculate beside the verify of `verifying` after `committed`."""
+        gen, sizing, config = self._gen, self._sizing, self._config
+        vocab = self._draft.info.vocab_size
+        fanout = sizing.fanout(len(verifying), vocab, config.ssd_fanout_r)
+        request = draft_pb2.SpeculateRequest(
+            session_id=gen.session_id,
+            draft_tokens=verifying,
+            num_tokens=sizing.k,
+            fanout=fanout,
+            sampling=sampling_to_proto(gen.sampling),
+            max_support=gen.max_support,
+            saguaro=saguaro(config, gen, sizing.fanout(sizing.k, vocab, config.ssd_fanout_r)[: sizing.k]),
+        )
+        guesses = asyncio.get_running_loop().create_future()
+        committed = list(committed)  # as it stands now: the caller's list grows when this round commits
+        task = asyncio.ensure_future(self._draft.speculate(gen.draft_session, committed, request, guesses))
+        return Speculation(task, guesses, sum(fanout), sizing.k, time.perf_counter(), committed, list(verifying))
+
+    async def send_ahead_once_built(self, speculation: Speculation, verify: asyncio.Future) -> None:
+        """Wait for `verify` or the cache beside it, whichever comes first; a cache first goes
+        on to the target (send_ahead). The loop calls this while it waits for the verify."""
+        if self._config.ssd_verify_ahead and not speculation.task.done():
+            await asyncio.wait({speculation.task, verify}, return_when=asyncio.FIRST_COMPLETED)
+        self.send_ahead(speculation, verify)
+
+    def send_ahead(self, speculation: Speculation, verify: asyncio.Future) -> None:
+        """If the cache is in and `verify` has not answered: send round T+1's verifies ahead,
+        and start Speculate(T+1) for the verify's likeliest outcome."""
+        task = speculation.task
+        if not self._config.ssd_verify_ahead or speculation.sent_ahead or verify.done() or not task.done():
+            return
+        if task.cancelled() or task.exception() is not None:
+            return
+        speculation.sent_ahead = True
+        cache, max_k = task.result(), speculation.num_tokens
+        self.ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
+        self._speculate_early(speculation, cache)
+
+    def _speculate_early(self, speculation: Speculation, cache: SpeculationCache) -> None:
+        """Speculate(T+1) for the likeliest outcome of the verify `speculation` ran beside."""
+        self.discard()
+        gen = self._gen
+        if not self._config.ssd_speculate_early or self._draft is None or self._draft.info is None:
+            return
+        entry = _likeliest(cache, len(speculation.verifying), self._sizing.acceptance)
+        if entry is None:
+            return
+        emitted = speculation.verifying[: entry.accepted] + [entry.next_token]
+        committed = speculation.committed + emitted
+        count = min(speculation.num_tokens, gen.max_len - len(committed) - 1)
+        # As VerifyAhead.send: such an outcome gets a choice, and a round may follow it.
+        if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted) or not self._sizing.budget:
+            return
+        self._early = (self.beside(committed, entry.tokens[:count]), len(speculation.committed))
+
+    def adopt(self, committed: list[int], verifying: list[int], verify: asyncio.Future) -> Speculation | None:
+        """The early Speculate, if it speculates beside verifying `verifying` after `committed`
+        (round T+1 as it came), now beside `verify`; else None, and it is cancelled."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        speculation = early[0]
+        if speculation.committed != committed or speculation.verifying != verifying or speculation.task.cancelled():
+            self._drop(early)
+            return None
+        self.send_ahead(speculation, verify)  # its cache may be in already
+        return speculation
+
+    def discard(self) -> None:
+        """Cancel the early Speculate: its outcome did not come, or the request ends."""
+        early, self._early = self._early, None
+        if early is not None:
+            self._drop(early)
+
+    def _drop(self, early: tuple[Speculation, int]) -> None:
+        speculation, base = early
+        speculation.task.cancel()
+        self._gen.draft_session.unsure_after(base)  # the draft may hold the assumed tokens
+
+    async def collect(self, speculation: Speculation, outcome: Outcome, verify_ms: float) -> Collected:
+        """The cache once built, or why not.
+
+        The stream names the outcomes it covers after its first forward: an outcome not among
+        them is a miss at once, and the build is cancelled (it stops between tree steps) so that
+        the backup does not wait for it. For a covered outcome, with the jit backup the loop
+        waits for the build (a Propose would queue behind it on the draft's one model thread
+        anyway); with the ngram backup it waits only while the build may still end soon, then
+        gives up. Whatever the backup, a draft that has not sent what the round waits for
+        within the draft wait (coordinator/draft_wait.py) is taken for hung: the build is
+        cancelled and the draft marked down.
+        """
+        wait_s = self._gen.draft_wait_s()
+        hung_at = time.perf_counter() + wait_s
+        give_up_at = self._give_up_at(speculation, verify_ms)
+        try:
+            if not await _guesses_within(speculation, hung_at):
+                raise self._hung(speculation, wait_s)
+            if speculation.guesses.done() and outcome not in speculation.guesses.result() and not speculation.task.done():
+                speculation.task.cancel()
+                return Collected(None, MISS_UNCOVERED)
+            if self._config.ssd_backup == "ngram":
+                if not await _built_within(speculation, min(give_up_at, hung_at)):
+                    speculation.task.cancel()
+                    return Collected(None, MISS_LATE)
+            elif not await _built_within(speculation, hung_at):
+                raise self._hung(speculation, wait_s)
+            return Collected(await speculation.task)
+        except DraftFailed as exc:
+            return Collected(None, MISS_FAILED, str(exc))
+
+    def _give_up_at(self, speculation: Speculation, verify_ms: float) -> float:
+        """When the ngram backup stops waiting for a covered build (time.perf_counter())."""
+        if self._config.ssd_wait_ms >= 0:
+            return time.perf_counter() + self._config.ssd_wait_ms / 1000.0
+        # The build was sized to end inside a verification; allow it half a verification more.
+        return speculation.started + verify_ms * 1.5 / 1000.0
+
+    def _hung(self, speculation: Speculation, wait_s: float) -> DraftFailed:
+        """The round gave up on a draft that answered nothing in `wait_s`: cancel its build, mark it down."""
+        speculation.task.cancel()
+        return DraftFailed(self._draft.timed_out(wait_s))
+
+
+async def _guesses_within(speculation: Speculation, until: float) -> bool:
+    """Wait until the build names its guesses (or ends); False if neither came by `until`."""
+    if not speculation.guesses.done():
+        await asyncio.wait({speculation.guesses, speculation.task}, timeout=_left(until), return_when=asyncio.FIRST_COMPLETED)
+    return speculation.guesses.done() or speculation.task.done()
+
+
+async def _built_within(speculation: Speculation, until: float) -> bool:
+    """Wait until the build ends; False if it did not by `until`."""
+    if not speculation.task.done():
+        await asyncio.wait({speculation.task}, timeout=_left(until))
+    return speculation.task.done()
+
+
+def _left(until: float) -> float:
+    """Seconds from now to `until` (time.perf_counter()), none if it has passed."""
+    return max(0.0, until - time.perf_counter())
+
+
+def _likeliest(cache: SpeculationCache, num_draft: int, acceptance: float):
+    """The cache entry for the outcome the acceptance makes likeliest, if likely enough.
+
+    k accepted has probability a^k (1 - a) for k < K and a^K for k = K (capped geometric): the
+    likeliest is K or 0. Among its guesses the draft's first-ranked.
+    """
+    a = acceptance
+    k, probability = (num_draft, a**num_draft) if a**num_draft >= 1 - a else (0, 1 - a)
+    if probability < _EARLY_MIN_PROBABILITY:
+        return None
+    return cache.first_with(k)
