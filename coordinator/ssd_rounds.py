@@ -119,6 +119,7 @@ class SsdRequest:
         self._speculator = Speculator(gen, draft, config, self._sizing, self._ahead)
         self._launch: _Launch | None = None
         self._lookup: Lookup | None = None
+        self._beside: Speculation | None = None  # the Speculate beside the round in progress
 
     @property
     def remaining(self) -> int:
@@ -131,6 +132,7 @@ class SsdRequest:
         launch, self._launch = self._launch, None
         if launch is not None and launch.at == len(gen.committed):
             drafted = RoundDraft(launch.sent.draft, "ahead", hit=True, wait_ms=lookup.wait_ms if lookup else 0.0)
+            self._beside = launch.speculation
             return Speculated(drafted, launch.verify, launch.speculation, launch.speculated_early)
         if launch is not None:
             launch.cancel()
@@ -143,6 +145,7 @@ class SsdRequest:
         speculation = None
         if drafted.speculates and self.remaining > 1 and self._sizing.budget:
             speculation = self._speculator.beside(gen.committed, draft.tokens)
+        self._beside = speculation
         return Speculated(drafted, verify, speculation)
 
     async def _draft_round(self, index: int, lookup: Lookup | None) -> RoundDraft:
@@ -244,7 +247,10 @@ class SsdRequest:
         )
 
     def close(self) -> None:
-        """Cancel whatever is still in flight: the request ended."""
+        """Cancel whatever is still in flight: the request ended. (A Speculate left running
+        could reach the draft after the request's EndSession and hold a session there.)"""
+        if self._beside is not None:
+            self._beside.task.cancel()  # a no-op once it has ended
         if self._launch is not None:
             self._launch.cancel()
         self._speculator.discard()
