@@ -64,12 +64,20 @@ class WorkerMetrics(ServiceMetrics):
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.forward_batch_size = Histogram(
+            "specd_forward_batch_size",
+            "sessions one forward of this worker served together",
+            ["op"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+            registry=self.registry,
+        )
 
     def track_sessions(self, count: Callable[[], int]) -> None:
         self.active_sessions.set_function(count)
 
-    def observe_forward(self, op: str, forward_ms: float) -> None:
+    def observe_forward(self, op: str, forward_ms: float, batch_size: int = 1) -> None:
         self.forward_seconds.labels(op=op).observe(forward_ms / 1000.0)
+        self.forward_batch_size.labels(op=op).observe(batch_size)
 
 
 class CoordinatorMetrics(ServiceMetrics):

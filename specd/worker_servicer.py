@@ -37,10 +37,11 @@ class WorkerServicer:
             raise ModelLoading()
         return self.runner
 
-    def _observe(self, op: str, forward_ms: float) -> None:
-        """The model time of one call, in specd_forward_seconds{op}."""
+    def _observe(self, op: str, forward_ms: float, batch_size: int = 1) -> None:
+        """One forward's model time, in specd_forward_seconds{op}, and how many sessions it
+        served, in specd_forward_batch_size{op}."""
         if self.metrics is not None:
-            self.metrics.observe_forward(op, forward_ms)
+            self.metrics.observe_forward(op, forward_ms, batch_size)
 
     async def Prefill(self, request, context):
         try:

@@ -2,9 +2,10 @@
 
 A verify is named by its session and the committed tokens it was sent (start + tail); its
 outcome is (k accepted, next token t*). The model thread records an outcome right after its
-forward and, when a verify sent ahead holds a choice for that outcome, queues that choice on
-the model thread itself: the next forward starts without a turn of the event loop, which on a
-busy machine waits for a core (the event loop learns of it when the answer is ready).
+forward and, when a verify sent ahead holds a choice for that outcome, queues that choice for
+the model thread's next batch itself: the next forward starts without a turn of the event
+loop, which on a busy machine waits for a core (the event loop learns of it when the answer
+is ready).
 Recorded from the model thread, waited on from the event loop: a lock guards both.
 """
 
@@ -16,7 +17,6 @@ import dataclasses
 import threading
 from typing import Callable
 
-from specd.serving import no_stop_iteration
 
 Outcome = tuple[int, int]  # (k, t*)
 
@@ -31,12 +31,11 @@ class Waiter:
 
 
 class VerifyOutcomes:
-    """`run_choice(choice)` runs a chosen verify on the model thread and records its
-    outcome; `submit(fn, *args)` queues work on the model thread from any thread."""
+    """`enqueue(future, choice)` queues a chosen verify for the model thread (specd/batcher.py),
+    which resolves `future` with its result, or skips it when `future` was cancelled first."""
 
-    def __init__(self, run_choice: Callable, submit: Callable, capacity: int = 4096):
-        self._run_choice = run_choice
-        self._submit = submit
+    def __init__(self, enqueue: Callable, capacity: int = 4096):
+        self._enqueue = enqueue
         self._capacity = capacity  # sessions remembered; the oldest are forgotten first
         self._lock = threading.Lock()
         self._latest: collections.OrderedDict[str, tuple[int, Outcome]] = collections.OrderedDict()
@@ -103,19 +102,10 @@ class VerifyOutcomes:
             _resolve(waiter.answer, None)
             return
         try:
-            self._submit(self._answer, waiter, choice)
+            self._enqueue(waiter.answer, choice)
         except RuntimeError as exc:  # the model thread is shutting down: the call fails, not hangs
             if waiter.answer.set_running_or_notify_cancel():
                 waiter.answer.set_exception(exc)
-
-    def _answer(self, waiter: Waiter, choice: object) -> None:
-        """On the model thread: run the chosen verify, unless its caller has given up."""
-        if not waiter.answer.set_running_or_notify_cancel():
-            return
-        try:
-            waiter.answer.set_result(no_stop_iteration(self._run_choice, choice))
-        except BaseException as exc:  # noqa: BLE001 - the caller's RPC reports it
-            waiter.answer.set_exception(exc)
 
 
 def _resolve(answer: concurrent.futures.Future, value) -> None:

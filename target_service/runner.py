@@ -2,6 +2,8 @@
 
 The servicer calls these methods from one executor thread. A tensor-parallel
 runner offers the same methods: rank 0 broadcasts each call and every rank runs it.
+Verifies of different sessions that are ready together run as one packed forward
+(specd/packed_forward.py); each then takes its own ratio test.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import dataclasses
 import torch
 
 from specd.forward import forward_logits, prefill_session
+from specd.kv_cache import SessionKVCache
 from specd.models import LoadedModel
+from specd.packed_forward import Segment, enable_packing
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniforms, logits_to_probs, sparse_to_dense
-from specd.session_cache import SessionStore
+from specd.session_cache import Session, SessionStore
 from specd.verify import greedy_verify, rejection_sample
 
 
@@ -27,51 +31,107 @@ class VerifyOutcome:
     cached_tokens: int
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifyCall:
+    """One checked verify: d_1..d_K after the committed tail, in the runner's terms."""
+
+    session_id: str
+    start: int
+    tokens: list[int]  # the committed tail, from position `start`
+    draft_tokens: list[int]
+    dists: list[SparseDist]  # q of each draft token; empty when greedy
+    sampling: SamplingSettings
+    return_logprobs: bool
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Synced:
+    """A verify joined to its session: what the forward feeds and where d_1 sits."""
+
+    call: VerifyCall
+    session: Session
+    feed: list[int]  # uncached committed tokens (at least the last), then d_1..d_K
+    first_position: int  # absolute position of d_1
+
+
 class TargetModelRunner:
-    def __init__(self, loaded: LoadedModel, sessions: SessionStore):
+    def __init__(self, loaded: LoadedModel, sessions: SessionStore, pack: bool = True):
         self.loaded = loaded
         self.sessions = sessions
+        self._packer = enable_packing(loaded.model) if pack else None  # None: one session per forward
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
         return prefill_session(self.loaded.model, self.sessions.open(session_id, start), start, tokens)
 
-    def verify(
-        self,
-        session_id: str,
-        start: int,
-        tokens: list[int],
-        draft_tokens: list[int],
-        draft_dists: list[SparseDist],
-        sampling: SamplingSettings,
-        return_logprobs: bool,
-    ) -> VerifyOutcome:
+    def verify(self, session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs) -> VerifyOutcome:
         """One forward over [last committed token, d_1..d_K], then the ratio test."""
-        session = self.sessions.open(session_id, start)
-        committed, feed = session.sync(start, tokens)
-        num_draft = len(draft_tokens)
-        logits, forward_ms = forward_logits(
-            self.loaded.model, session.cache, feed + draft_tokens, num_draft + 1
-        )  # [K+1, V]
-        session.extend(feed + draft_tokens)
+        joined = self._sync(VerifyCall(session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs))
+        (logits,), forward_ms = self._forward([joined])  # [K+1, V]
+        return self._decide(joined, logits, forward_ms)
 
-        first_position = len(committed)  # absolute position of d_1
-        draft = torch.tensor([draft_tokens], dtype=torch.long)  # [1, K]
-        if sampling.greedy:
+    def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | BaseException]:
+        """Verifies of different sessions in one forward; each call's outcome, or what it raised."""
+        if len(calls) == 1 or self._packer is None:
+            return [_outcome_or_error(self.verify, call) for call in calls]
+        results: list[VerifyOutcome | BaseException] = [None] * len(calls)  # type: ignore[list-item]
+        synced: dict[int, _Synced] = {}
+        for i, call in enumerate(calls):
+            try:
+                synced[i] = self._sync(call)
+            except Exception as exc:  # noqa: BLE001 - this call alone fails
+                results[i] = exc
+        if synced:
+            logits, forward_ms = self._forward(list(synced.values()))  # [K+1, V] each
+            for (i, joined), call_logits in zip(synced.items(), logits):
+                results[i] = self._decide(joined, call_logits, forward_ms)
+        return results
+
+    def _sync(self, call: VerifyCall) -> _Synced:
+        session = self.sessions.open(call.session_id, call.start)
+        committed, feed = session.sync(call.start, call.tokens)
+        return _Synced(call, session, feed + call.draft_tokens, len(committed))
+
+    def _forward(self, batch: list[_Synced]) -> tuple[list[torch.Tensor], float]:
+        """Each verify's logits after [last committed, d_1..d_K] ([K+1, V] each) and the forward's ms."""
+        try:
+            if len(batch) == 1:
+                one = batch[0]
+                logits, forward_ms = forward_logits(self.loaded.model, one.session.cache, one.feed, one.call.num_draft + 1)
+                logits = [logits]
+            else:
+                segments = [Segment(b.session.cache, b.feed, b.call.num_draft + 1) for b in batch]
+                logits, forward_ms = self._packer.forward(segments)
+        except BaseException:
+            for b in batch:  # a forward that failed part-way leaves caches nobody can trust
+                b.session.cache, b.session.cached_tokens = SessionKVCache(), []
+            raise
+        for b in batch:
+            b.session.extend(b.feed)
+        return logits, forward_ms
+
+    @staticmethod
+    def _decide(joined: _Synced, logits: torch.Tensor, forward_ms: float) -> VerifyOutcome:
+        """The ratio test (or greedy match) over one verify's logits [K+1, V]."""
+        call, num_draft = joined.call, joined.call.num_draft
+        draft = torch.tensor([call.draft_tokens], dtype=torch.long)  # [1, K]
+        if call.sampling.greedy:
             result = greedy_verify(logits.argmax(-1).unsqueeze(0), draft)
         else:
-            target_probs = logits_to_probs(logits, sampling).unsqueeze(0)  # [1, K+1, V]
-            draft_probs = sparse_to_dense(draft_dists, logits.shape[-1]).unsqueeze(0)  # [1, K, V]
-            accept_u = keyed_uniforms(sampling.seed, first_position, num_draft, Purpose.ACCEPT)  # [K]
-            sample_u = keyed_uniforms(sampling.seed, first_position, num_draft + 1, Purpose.SAMPLE)  # [K+1]
-            result = rejection_sample(
-                target_probs, draft_probs, draft, accept_u.unsqueeze(0), sample_u.unsqueeze(0)
-            )
+            target_probs = logits_to_probs(logits, call.sampling).unsqueeze(0)  # [1, K+1, V]
+            draft_probs = sparse_to_dense(call.dists, logits.shape[-1]).unsqueeze(0)  # [1, K, V]
+            accept_u = keyed_uniforms(call.sampling.seed, joined.first_position, num_draft, Purpose.ACCEPT)  # [K]
+            sample_u = keyed_uniforms(call.sampling.seed, joined.first_position, num_draft + 1, Purpose.SAMPLE)  # [K+1]
+            result = rejection_sample(target_probs, draft_probs, draft, accept_u.unsqueeze(0), sample_u.unsqueeze(0))
         accepted = int(result.accepted[0])
         next_token = int(result.next_token[0])
         logprobs: list[float] = []
-        if return_logprobs:
-            emitted = torch.tensor(draft_tokens[:accepted] + [next_token])  # [k+1]
+        if call.return_logprobs:
+            emitted = torch.tensor(call.draft_tokens[:accepted] + [next_token])  # [k+1]
             raw = logits[: accepted + 1].log_softmax(-1)  # [k+1, V]
             logprobs = raw.gather(-1, emitted.unsqueeze(-1)).squeeze(-1).tolist()
         return VerifyOutcome(
@@ -80,7 +140,7 @@ class TargetModelRunner:
             is_bonus=bool(result.is_bonus[0]),
             logprobs=logprobs,
             forward_ms=forward_ms,
-            cached_tokens=len(session.cached_tokens),
+            cached_tokens=len(joined.session.cached_tokens),
         )
 
     def end_session(self, session_id: str) -> bool:
@@ -88,3 +148,10 @@ class TargetModelRunner:
 
     def expire_idle(self) -> list[str]:
         return self.sessions.expire_idle()
+
+
+def _outcome_or_error(verify, call: VerifyCall) -> VerifyOutcome | BaseException:
+    try:
+        return verify(call.session_id, call.start, call.tokens, call.draft_tokens, call.dists, call.sampling, call.return_logprobs)
+    except Exception as exc:  # noqa: BLE001 - this call alone fails
+        return exc

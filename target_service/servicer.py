@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 from specd.sampling import SamplingSettings, SparseDist
+from specd.batcher import Batcher
 from specd.serving import InvalidRequest, ModelThread, abort_on_error
 from specd.session_cache import SessionNotFound
 from specd.telemetry import set_specd, worker_span
@@ -15,26 +16,9 @@ from specd.v1 import target_pb2, target_pb2_grpc
 from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from specd.worker_servicer import WorkerServicer, common_info
 from target_service.outcomes import VerifyOutcomes
-from target_service.runner import TargetModelRunner, VerifyOutcome
+from target_service.runner import TargetModelRunner, VerifyCall, VerifyOutcome
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prepared:
-    """A checked VerifyRequest, in the runner's terms."""
-
-    session_id: str
-    start: int
-    tokens: list[int]  # the committed tail
-    draft_tokens: list[int]
-    dists: list[SparseDist]  # empty when greedy
-    sampling: SamplingSettings
-    return_logprobs: bool
-
-    @property
-    def num_draft(self) -> int:
-        return len(self.draft_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +26,7 @@ class _Timed:
     """A verify's outcome with the wall-clock times it ran between (for its span)."""
 
     outcome: VerifyOutcome
-    prepared: _Prepared
+    call: VerifyCall
     started_ns: int
     ended_ns: int
 
@@ -51,13 +35,15 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     prefill_response = target_pb2.TargetPrefillResponse
     end_session_response = target_pb2.TargetEndSessionResponse
 
-    def __init__(self, thread: ModelThread, verify_after_wait_s: float, tensor_parallel: int = 1):
+    def __init__(self, thread: ModelThread, verify_after_wait_s: float, tensor_parallel: int = 1, max_batch_size: int = 16):
         super().__init__(thread)
         self._tensor_parallel = tensor_parallel
         self._verify_after_wait_s = verify_after_wait_s  # the longest a VerifyAfter waits (TargetConfig)
         self._verifying: collections.Counter[str] = collections.Counter()  # Verify calls in flight per session
-        # What VerifyAfter waits on; a chosen verify runs on the model thread straight after.
-        self._outcomes = VerifyOutcomes(self._run_choice, thread.submit)
+        # Verifies of different sessions ready together share a forward; a verify sent ahead
+        # (VerifyAfter) joins the batch right after the verify it follows.
+        self._batcher = Batcher(thread.submit, self._verify_batch, lambda item: item.session_id, max_batch_size)
+        self._outcomes = VerifyOutcomes(self._batcher.enqueue)
 
     def _info(self, loaded) -> target_pb2.TargetInfo:
         return target_pb2.TargetInfo(
@@ -73,18 +59,18 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     async def Verify(self, request, context):
         try:
             runner = self._ready_runner()
-            prepared = self._prepare(runner, request)
-            self._verifying[prepared.session_id] += 1  # a VerifyAfter may follow it
+            call = self._prepare(runner, request)
+            self._verifying[call.session_id] += 1  # a VerifyAfter may follow it
             try:
                 with worker_span(
-                    self.tracer, "spec_verify", tokens_verified=prepared.num_draft + 1, new_committed_tokens=len(prepared.tokens)
+                    self.tracer, "spec_verify", tokens_verified=call.num_draft + 1, new_committed_tokens=len(call.tokens)
                 ) as span:
-                    timed = await self._thread.run(self._verify_and_record, runner, prepared)
+                    timed = await asyncio.wrap_future(self._batcher.submit(call))
                     set_specd(span, forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus)
             finally:
-                self._verifying[prepared.session_id] -= 1
-                if not self._verifying[prepared.session_id]:
-                    del self._verifying[prepared.session_id]
+                self._verifying[call.session_id] -= 1
+                if not self._verifying[call.session_id]:
+                    del self._verifying[call.session_id]
             response = self._response(timed.outcome)
         except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
@@ -138,7 +124,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
                 return None
         return await answer
 
-    def _prepare(self, runner: TargetModelRunner, request) -> _Prepared:
+    def _prepare(self, runner: TargetModelRunner, request) -> VerifyCall:
         """A VerifyRequest checked against the model, as the runner takes it."""
         loaded = runner.loaded
         check_session_id(request.session_id)
@@ -155,31 +141,39 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
                 if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
                     raise InvalidRequest(f"draft_tokens[{i}] is not in the support of draft_probs[{i}]")
                 dists.append(dist)
-        return _Prepared(request.session_id, request.committed.start, tokens, draft_tokens, dists, sampling, request.return_logprobs)
+        return VerifyCall(request.session_id, request.committed.start, tokens, draft_tokens, dists, sampling, request.return_logprobs)
 
-    def _verify_and_record(self, runner: TargetModelRunner, prepared: _Prepared) -> _Timed:
-        """On the model thread: the verify, then its outcome recorded, which queues a verify
-        sent ahead for that outcome behind it before this one's answer reaches the event loop."""
-        started_ns = time.time_ns()
-        outcome = runner.verify(
-            prepared.session_id, prepared.start, prepared.tokens, prepared.draft_tokens,
-            prepared.dists, prepared.sampling, prepared.return_logprobs,
-        )
-        committed = prepared.start + len(prepared.tokens)
-        self._outcomes.record(prepared.session_id, committed, (outcome.accepted, outcome.next_token))
-        self._observe("verify", outcome.forward_ms)
-        return _Timed(outcome, prepared, started_ns, time.time_ns())
-
-    def _run_choice(self, request) -> _Timed:
-        """On the model thread: a verify sent ahead whose outcome came (VerifyOutcomes)."""
+    def _verify_batch(self, items: list) -> list:
+        """On the model thread: one forward for a batch of verifies (VerifyCalls, and requests
+        sent ahead whose outcome came, checked only now), each outcome recorded at once so that
+        a verify sent ahead for it joins the next batch."""
         runner = self._ready_runner()
-        return self._verify_and_record(runner, self._prepare(runner, request))
+        results: list = [None] * len(items)
+        calls: dict[int, VerifyCall] = {}
+        for i, item in enumerate(items):
+            try:
+                calls[i] = item if isinstance(item, VerifyCall) else self._prepare(runner, item)
+            except Exception as exc:  # noqa: BLE001 - this call alone fails
+                results[i] = exc
+        started_ns = time.time_ns()
+        outcomes = runner.verify_batch(list(calls.values()))
+        ended_ns = time.time_ns()
+        for (i, call), outcome in zip(calls.items(), outcomes):
+            if not isinstance(outcome, BaseException):
+                committed = call.start + len(call.tokens)
+                self._outcomes.record(call.session_id, committed, (outcome.accepted, outcome.next_token))
+                outcome = _Timed(outcome, call, started_ns, ended_ns)
+            results[i] = outcome
+        timed = [r for r in results if isinstance(r, _Timed)]
+        if timed:  # one forward, however many calls it served
+            self._observe("verify", timed[0].outcome.forward_ms, batch_size=len(timed))
+        return results
 
     def _record_span(self, timed: _Timed) -> None:
         """The spec_verify span of a verify run on the model thread at the times it ran."""
         span = self.tracer.start_span("spec_verify", start_time=timed.started_ns)
         set_specd(
-            span, tokens_verified=timed.prepared.num_draft + 1, new_committed_tokens=len(timed.prepared.tokens),
+            span, tokens_verified=timed.call.num_draft + 1, new_committed_tokens=len(timed.call.tokens),
             forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus,
         )
         span.end(end_time=timed.ended_ns)

@@ -38,7 +38,9 @@ async def start_target(
     return await start_worker(
         "target",
         config,
-        lambda thread: TargetServicer(thread, config.verify_after_wait_s, tensor_parallel=config.tensor_parallel),
+        lambda thread: TargetServicer(
+            thread, config.verify_after_wait_s, tensor_parallel=config.tensor_parallel, max_batch_size=config.max_batch_size
+        ),
         target_pb2_grpc.add_TargetWorkerServicer_to_server,
         SERVICE_NAME,
         load or (lambda: load_runner(config)),

@@ -25,6 +25,20 @@ SAMPLED = common_pb2.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=7)
 # --- the outcome register -------------------------------------------------------------------
 
 
+def _run_into(run_choice):
+    """An `enqueue` for VerifyOutcomes that runs the chosen verify where it is called (the
+    worker's batcher runs it on the model thread); a cancelled answer's choice does not run."""
+
+    def enqueue(answer, choice):
+        if answer.set_running_or_notify_cancel():
+            try:
+                answer.set_result(run_choice(choice))
+            except Exception as exc:  # noqa: BLE001 - the caller's RPC reports it
+                answer.set_exception(exc)
+
+    return enqueue
+
+
 def _register(capacity: int = 4096) -> tuple[VerifyOutcomes, list]:
     """A register whose chosen verifies are recorded in a list, run at once where queued."""
     ran = []
@@ -33,7 +47,7 @@ def _register(capacity: int = 4096) -> tuple[VerifyOutcomes, list]:
         ran.append(choice)
         return f"verified {choice}"
 
-    return VerifyOutcomes(run_choice, lambda fn, *args: fn(*args), capacity=capacity), ran
+    return VerifyOutcomes(_run_into(run_choice), capacity=capacity), ran
 
 
 def test_the_choice_for_the_outcome_runs_whether_sent_before_or_after_it():
@@ -61,7 +75,7 @@ def test_chosen_verifies_follow_one_another_on_the_model_thread_alone():
         outcomes.record("s", committed, outcome)
         return choice
 
-    outcomes = VerifyOutcomes(run_choice, model_thread.submit)
+    outcomes = VerifyOutcomes(lambda answer, choice: model_thread.submit(_run_into(run_choice), answer, choice))
     second = outcomes.expect("s", 10, {(1, 5): (12, (3, 9)), (0, 4): (11, (0, 0))})
     third = outcomes.expect("s", 12, {(3, 9): (16, (2, 2))})
     model_thread.submit(outcomes.record, "s", 10, (1, 5)).result(5)  # the first verify ends
@@ -94,10 +108,10 @@ def test_a_discarded_choice_does_not_run():
 
 
 def test_a_choice_that_cannot_be_queued_fails_its_call():
-    def refuse(fn, *args):
+    def refuse(answer, choice):
         raise RuntimeError("cannot schedule new futures after shutdown")
 
-    outcomes = VerifyOutcomes(lambda choice: choice, refuse)
+    outcomes = VerifyOutcomes(refuse)
     waiter = outcomes.expect("s", 10, {(2, 77): "a"})
     outcomes.record("s", 10, (2, 77))
     with pytest.raises(RuntimeError, match="shutdown"):

@@ -1,0 +1,96 @@
+"""Calls of different sessions that are ready at the same moment run as one batch.
+
+A worker's forwards run one at a time on its model thread. While one runs, the calls that
+arrive wait here; when the model thread comes back it takes all of them (up to a cap, at most
+one per session: a session's calls depend on each other) and runs them as one batch. Nothing
+waits on a timer: a lone call runs at once, as it did before batching, and a loaded worker's
+batches grow by themselves with its load (continuous batching).
+
+`run_batch(items)` runs on the model thread and returns one result per item: a value, or the
+exception that item raised (one bad call fails alone).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from typing import Callable, Hashable
+
+from specd.serving import no_stop_iteration
+
+
+class Batcher:
+    """`submit(fn)` queues work on the model thread; `session_of(item)` names an item's session."""
+
+    def __init__(self, submit: Callable, run_batch: Callable[[list], list], session_of: Callable[[object], Hashable], max_batch: int):
+        self._submit = submit
+        self._run_batch = run_batch
+        self._session_of = session_of
+        self._max_batch = max_batch
+        self._lock = threading.Lock()
+        self._pending: collections.deque[tuple[concurrent.futures.Future, object]] = collections.deque()
+        self._scheduled = False  # a drain is queued on the model thread, or running
+
+    def enqueue(self, future: concurrent.futures.Future, item: object) -> None:
+        """Run `item` in the next batch and resolve `future` with its result (from any thread,
+        the model thread included). A future cancelled before its batch forms is not run."""
+        with self._lock:
+            self._pending.append((future, item))
+            start = not self._scheduled
+            self._scheduled = True
+        if start:
+            self._schedule()
+
+    def submit(self, item: object) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.enqueue(future, item)
+        return future
+
+    def _schedule(self) -> None:
+        try:
+            self._submit(self._drain)
+        except RuntimeError as exc:  # the model thread is shutting down: the calls fail, not hang
+            with self._lock:
+                failed, self._pending = list(self._pending), collections.deque()
+                self._scheduled = False
+            for future, _ in failed:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+
+    def _drain(self) -> None:
+        """On the model thread: one batch of what is pending, then another drain if more came."""
+        batch = self._take()
+        if batch:
+            self._run(batch)
+        with self._lock:
+            again = bool(self._pending)
+            self._scheduled = again
+        if again:
+            self._schedule()
+
+    def _take(self) -> list[tuple[concurrent.futures.Future, object]]:
+        """The oldest pending calls, one per session, up to the cap; cancelled ones dropped."""
+        batch, sessions, deferred = [], set(), collections.deque()
+        with self._lock:
+            while self._pending and len(batch) < self._max_batch:
+                future, item = self._pending.popleft()
+                session = self._session_of(item)
+                if session in sessions:
+                    deferred.append((future, item))  # after this one's batch, in order
+                elif future.set_running_or_notify_cancel():
+                    batch.append((future, item))
+                    sessions.add(session)
+            self._pending.extendleft(reversed(deferred))
+        return batch
+
+    def _run(self, batch: list[tuple[concurrent.futures.Future, object]]) -> None:
+        try:
+            results = no_stop_iteration(self._run_batch, [item for _, item in batch])
+        except BaseException as exc:  # noqa: BLE001 - every call of the batch reports it
+            results = [exc] * len(batch)
+        for (future, _), result in zip(batch, results):
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
