@@ -1,4 +1,9 @@
-"""The draft model runner: sessions and forwards, with no gRPC in it."""
+"""The draft model runner: sessions and forwards, with no gRPC in it.
+
+Propose and Speculate are step jobs (specd/step_batcher.py): generators that yield each
+forward they need, so that the jobs of different sessions share forwards. `propose` and
+`speculate` run one job alone.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,14 @@ import dataclasses
 
 import threading
 
-from draft_service.speculation import SpeculationResult, build, draft_distributions, sample_draft_token
+from draft_service.speculation import SpeculationResult, build_steps, draft_distributions, sample_draft_token
 from specd.forward import forward_logits, prefill_session
 from specd.lean_llama import lean_or_plain
 from specd.models import LoadedModel
+from specd.packed_forward import Segment, enable_packing
 from specd.sampling import SamplingSettings, SparseDist
-from specd.session_cache import SessionStore
+from specd.session_cache import Session, SessionStore
+from specd.step_batcher import Job, Step, guarded_step, run_alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +32,7 @@ class DraftModelRunner:
     def __init__(self, loaded: LoadedModel, sessions: SessionStore, max_support: int):
         self.loaded = loaded
         self.model = lean_or_plain(loaded.model)  # a draft's forwards are mostly per-call overhead
+        self.packer = enable_packing(loaded.model)  # None: one session per forward
         self.sessions = sessions
         self.max_support = max_support
 
@@ -32,7 +40,11 @@ class DraftModelRunner:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
         return prefill_session(self.model, self.sessions.open(session_id, start), start, tokens)
 
-    def propose(
+    def propose(self, session_id, start, tokens, num_tokens, sampling, max_support, saguaro_c=1.0, saguaro_fanout=None) -> Proposal:
+        """Draft `num_tokens` tokens autoregressively after the committed history."""
+        return run_alone(self.propose_job(session_id, start, tokens, num_tokens, sampling, max_support, saguaro_c, saguaro_fanout))
+
+    def propose_job(
         self,
         session_id: str,
         start: int,
@@ -42,8 +54,8 @@ class DraftModelRunner:
         max_support: int,
         saguaro_c: float = 1.0,
         saguaro_fanout: list[int] | None = None,
-    ) -> Proposal:
-        """Draft `num_tokens` tokens autoregressively after the committed history."""
+    ) -> Job:
+        """Propose as a step job: one forward per draft token."""
         saguaro_fanout = saguaro_fanout or []
         session = self.sessions.open(session_id, start)
         committed, feed = session.sync(start, tokens)
@@ -52,7 +64,7 @@ class DraftModelRunner:
         dists: list[SparseDist] = []
         total_ms = 0.0
         for i in range(num_tokens):
-            logits, forward_ms = forward_logits(self.model, session.cache, feed, 1)  # [1, V]
+            logits, forward_ms = yield from self.step(session, feed)  # [1, V]
             session.extend(feed)
             total_ms += forward_ms
             saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
@@ -62,6 +74,13 @@ class DraftModelRunner:
             dists.append(dist)
             feed = [token]
         return Proposal(draft_tokens=draft_tokens, draft_dists=dists, forward_ms=total_ms)
+
+    def step(self, session: Session, feed: list[int], num_logits: int = 1):
+        """One forward of `feed` after the session's cache, as a job's step; (logits, ms)."""
+        return (yield from guarded_step(session, Step(
+            Segment(session.cache, feed, num_logits),
+            lambda: forward_logits(self.model, session.cache, feed, num_logits),
+        )))
 
     def speculate(
         self,
@@ -79,9 +98,30 @@ class DraftModelRunner:
         on_guesses=None,
     ) -> SpeculationResult:
         """SSD: the speculation cache for the round verifying `draft_tokens` (see speculation.py)."""
+        return run_alone(self.speculate_job(
+            session_id, start, tokens, draft_tokens, num_tokens, fanout, sampling, max_support,
+            saguaro_c, saguaro_fanout, cancel, on_guesses,
+        ))
+
+    def speculate_job(
+        self,
+        session_id: str,
+        start: int,
+        tokens: list[int],
+        draft_tokens: list[int],
+        num_tokens: int,
+        fanout: list[int],
+        sampling: SamplingSettings,
+        max_support: int,
+        saguaro_c: float,
+        saguaro_fanout: list[int],
+        cancel: threading.Event,
+        on_guesses=None,
+    ) -> Job:
+        """Speculate as a step job: step 0, then one forward per tree step."""
         session = self.sessions.open(session_id, start)
         committed, feed = session.sync(start, tokens)
-        return build(
+        return (yield from build_steps(
             self.model,
             session,
             committed,
@@ -95,10 +135,11 @@ class DraftModelRunner:
             saguaro_fanout,
             cancel,
             on_guesses,
-        )
+        ))
 
     def end_session(self, session_id: str) -> bool:
         return self.sessions.end(session_id)
 
     def expire_idle(self) -> list[str]:
         return self.sessions.expire_idle()
+

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 
 from draft_service.runner import DraftModelRunner
 from draft_service.speculation import SpeculationCancelled, SpeculationResult
 from specd.sampling import SamplingSettings
 from specd.serving import InvalidRequest, ModelThread, abort_on_error
+from specd.step_batcher import StepBatcher
 from specd.telemetry import set_specd, worker_span
 from specd.v1 import draft_pb2, draft_pb2_grpc
 from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
@@ -32,12 +34,26 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
     prefill_response = draft_pb2.DraftPrefillResponse
     end_session_response = draft_pb2.DraftEndSessionResponse
 
-    def __init__(self, thread: ModelThread, max_branches: int, max_depth: int):
+    def __init__(self, thread: ModelThread, max_branches: int, max_depth: int, max_batch_size: int = 16):
         """max_branches: most branches per Speculate; max_depth: most draft tokens per Propose,
-        per Speculate branch, and verified beside one Speculate (DraftConfig)."""
+        per Speculate branch, and verified beside one Speculate; max_batch_size: most sessions
+        one forward serves (DraftConfig)."""
         super().__init__(thread)
         self._max_branches = max_branches
         self._max_depth = max_depth
+        self._max_batch_size = max_batch_size
+        self._steps: StepBatcher | None = None  # once the model is loaded: it needs the model's packer
+
+    def _step_batcher(self, runner: DraftModelRunner) -> StepBatcher:
+        """Proposes and Speculates of different sessions share forwards, step by step."""
+        if self._steps is None:
+            self._steps = StepBatcher(self._thread.submit, runner.packer, self._max_batch_size, self._observe_step)
+        return self._steps
+
+    def _observe_step(self, batch_size: int, forward_ms: float) -> None:
+        """One forward of the step batcher: how many sessions it served (its time is in each call's)."""
+        if self.metrics is not None:
+            self.metrics.observe_batch_size("step", batch_size)
 
     def _info(self, loaded) -> draft_pb2.DraftInfo:
         return draft_pb2.DraftInfo(**common_info(loaded))
@@ -62,8 +78,8 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
                 request.committed, loaded.vocab_size, loaded.context_length, request.num_tokens
             )
             sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
-            proposal = await self._traced("spec_propose", self._thread.run(
-                runner.propose,
+            job = functools.partial(
+                runner.propose_job,
                 request.session_id,
                 request.committed.start,
                 tokens,
@@ -71,7 +87,9 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
                 sampling,
                 request.max_support,
                 *_saguaro(request.saguaro),
-            ), lambda p: {"forward_ms": p.forward_ms}, num_tokens=request.num_tokens)
+            )
+            run = asyncio.wrap_future(self._step_batcher(runner).start(job, request.session_id))
+            proposal = await self._traced("spec_propose", run, lambda p: {"forward_ms": p.forward_ms}, num_tokens=request.num_tokens)
         except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
         return draft_pb2.ProposeResponse(
@@ -140,8 +158,8 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
         def on_guesses(roots: list[tuple[int, int]]) -> None:  # on the model thread, after step 0
             loop.call_soon_threadsafe(guesses.put_nowait, roots)
 
-        run = self._thread.run(
-            call.runner.speculate,
+        job = functools.partial(
+            call.runner.speculate_job,
             request.session_id,
             request.committed.start,
             call.tokens,
@@ -154,6 +172,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
             cancel,
             on_guesses,
         )
+        run = asyncio.wrap_future(self._step_batcher(call.runner).start(job, request.session_id))
         return asyncio.ensure_future(self._traced(
             "spec_speculate", run, lambda r: {"branches": len(r.branches), "forward_ms": r.forward_ms},
             draft_tokens=len(call.draft_tokens), steps=request.num_tokens + 1, fanout=call.fanout,

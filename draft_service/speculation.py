@@ -24,10 +24,12 @@ import torch
 
 from draft_service.tree_mask import TreeMasks, tree_supported
 from specd.forward import forward_logits
+from specd.kv_cache import croppable
+from specd.packed_forward import Segment
 from specd.saguaro import reshape_sorted
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
-from specd.kv_cache import croppable
 from specd.session_cache import Session
+from specd.step_batcher import Job, Step, guarded_step, run_alone
 
 
 class SpeculationCancelled(Exception):
@@ -116,8 +118,12 @@ def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int]) -
     return roots
 
 
-@torch.inference_mode()
-def build(
+def build(*args, **kwargs) -> SpeculationResult:
+    """build_steps run alone: the whole build on the calling thread."""
+    return run_alone(build_steps(*args, **kwargs))
+
+
+def build_steps(
     model,
     session: Session,
     committed: list[int],
@@ -131,17 +137,21 @@ def build(
     saguaro_fanout: list[int] | None = None,
     cancel: threading.Event | None = None,
     on_guesses: Callable[[list[tuple[int, int]]], None] | None = None,
-) -> SpeculationResult:
+) -> Job:
     """Build the speculation cache for the round verifying `draft_tokens` after `committed`.
 
     `feed` is what Session.sync left to feed (ends with the last committed token). Leaves the
     session caching committed + d_1..d_K. fanout: F_0..F_K (len K+1). `on_guesses` gets the
-    branches' (k, t*) right after step 0; `cancel` stops the build between steps.
+    branches' (k, t*) right after step 0; `cancel` stops the build between steps. A step job
+    (specd/step_batcher.py): it yields each forward and returns the result.
     """
     assert len(fanout) == len(draft_tokens) + 1, (fanout, draft_tokens)
     started = time.perf_counter()
-    logits, _ = forward_logits(model, session.cache, feed + draft_tokens, len(draft_tokens) + 1)  # [K+1, V]
-    session.extend(feed + draft_tokens)
+    fed, kept = feed + draft_tokens, len(draft_tokens) + 1
+    logits, _ = yield from guarded_step(session, Step(
+        Segment(session.cache, fed, kept), lambda: forward_logits(model, session.cache, fed, kept)
+    ))  # [K+1, V]
+    session.extend(fed)
     roots = _guesses(logits, draft_tokens, fanout)
     if on_guesses is not None:
         on_guesses(roots)  # the caller can tell a miss now, K' tree steps before the entries
@@ -156,7 +166,7 @@ def build(
         for step in range(1, num_tokens + 1):
             if cancel is not None and cancel.is_set():
                 raise SpeculationCancelled()
-            tree.step(step, draft)
+            yield from tree.step(step, draft)
     finally:
         tree.crop()
     return SpeculationResult(tree.branches(), (time.perf_counter() - started) * 1000.0)
@@ -192,23 +202,32 @@ class _Tree:
         dtype = next(model.parameters()).dtype
         self.masks = TreeMasks(model.config, n + self.offsets, self.prefix_len, num_tokens, dtype, model.device)
 
-    def step(self, step: int, draft: _TreeDraft) -> None:
-        """One batched forward of the B branch tokens; each branch samples its next token."""
-        device = self.model.device
-        output = self.model(
-            input_ids=torch.tensor([self.tokens], dtype=torch.long, device=device),  # [1, B]
-            attention_mask=self.masks.at(step),  # [1, 1, B, L0 + step*B] (per layer type)
-            position_ids=(self.n + self.offsets + step - 1).unsqueeze(0).to(device),  # [1, B]
-            past_key_values=self.session.cache,
-            use_cache=True,
-        )
-        dists = draft.dists(step, output.logits[0].float().cpu())  # from [B, V]
+    def step(self, step: int, draft: _TreeDraft):
+        """One forward of the B branch tokens (a step job's step); each branch samples its next token."""
+        positions = self.n + self.offsets + step - 1  # [B]
+        segment = Segment(self.session.cache, self.tokens, len(self.tokens), self.masks.visible_at(step), positions.tolist())
+        logits, _ = yield from guarded_step(self.session, Step(segment, lambda: self._alone(step, positions)))  # [B, V]
+        dists = draft.dists(step, logits)
         self.tokens = []
         for b, (j, _) in enumerate(self.roots):
             token = sample_draft_token(dists[b], draft.sampling, self.n + j + step)
             self.branch_tokens[b].append(token)
             self.branch_dists[b].append(dists[b])
             self.tokens.append(token)
+
+    @torch.inference_mode()
+    def _alone(self, step: int, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The step's forward by itself, with the model's own masks: ([B, V] float32, ms)."""
+        device = self.model.device
+        started = time.perf_counter()
+        output = self.model(
+            input_ids=torch.tensor([self.tokens], dtype=torch.long, device=device),  # [1, B]
+            attention_mask=self.masks.at(step),  # [1, 1, B, L0 + step*B] (per layer type)
+            position_ids=positions.unsqueeze(0).to(device),  # [1, B]
+            past_key_values=self.session.cache,
+            use_cache=True,
+        )
+        return output.logits[0].float().cpu(), (time.perf_counter() - started) * 1000.0
 
     def crop(self) -> None:
         """Drop the tree from the KV cache, keeping committed + d_1..d_K."""

@@ -84,6 +84,14 @@ class TreeMasks:
         if getattr(config, "sliding_window", None) is None:
             self._whole = tree_mask(config, prefix_visible, prefix_len, steps, dtype).to(device)  # [1, 1, B, L0 + steps*B]
 
+    def visible_at(self, step: int) -> torch.Tensor | None:
+        """Step `step`'s [B, L0 + step*B] bool mask for a packed forward (full attention only:
+        packing refuses models with windowed layers); None for a windowed model."""
+        config, prefix_visible, prefix_len, _, _ = self._args
+        if self._whole is None:
+            return None
+        return _visible(prefix_visible, prefix_len, step)
+
     def at(self, step: int):
         """Step `step`'s mask (1-based), as tree_mask gives it."""
         config, prefix_visible, prefix_len, dtype, device = self._args

@@ -75,8 +75,10 @@ class WorkerMetrics(ServiceMetrics):
     def track_sessions(self, count: Callable[[], int]) -> None:
         self.active_sessions.set_function(count)
 
-    def observe_forward(self, op: str, forward_ms: float, batch_size: int = 1) -> None:
+    def observe_forward(self, op: str, forward_ms: float) -> None:
         self.forward_seconds.labels(op=op).observe(forward_ms / 1000.0)
+
+    def observe_batch_size(self, op: str, batch_size: int) -> None:
         self.forward_batch_size.labels(op=op).observe(batch_size)
 
 

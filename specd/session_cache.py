@@ -66,6 +66,11 @@ class Session:
             keep = 0
         del self.cached_tokens[keep:]
 
+    def reset(self) -> None:
+        """Forget everything cached (a forward failed part-way: no layer's entries can be trusted)."""
+        self.cache = SessionKVCache()
+        self.cached_tokens = []
+
     def extend(self, tokens: list[int]) -> None:
         """Record that a forward put `tokens` into the cache."""
         self.cached_tokens.extend(tokens)

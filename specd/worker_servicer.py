@@ -37,11 +37,13 @@ class WorkerServicer:
             raise ModelLoading()
         return self.runner
 
-    def _observe(self, op: str, forward_ms: float, batch_size: int = 1) -> None:
-        """One forward's model time, in specd_forward_seconds{op}, and how many sessions it
-        served, in specd_forward_batch_size{op}."""
+    def _observe(self, op: str, forward_ms: float, batch_size: int | None = None) -> None:
+        """A call's model time, in specd_forward_seconds{op}; with `batch_size`, one forward's,
+        and how many sessions it served, in specd_forward_batch_size{op}."""
         if self.metrics is not None:
-            self.metrics.observe_forward(op, forward_ms, batch_size)
+            self.metrics.observe_forward(op, forward_ms)
+            if batch_size is not None:
+                self.metrics.observe_batch_size(op, batch_size)
 
     async def Prefill(self, request, context):
         try:

@@ -13,7 +13,6 @@ import dataclasses
 import torch
 
 from specd.forward import forward_logits, prefill_session
-from specd.kv_cache import SessionKVCache
 from specd.models import LoadedModel
 from specd.packed_forward import Segment, enable_packing
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniforms, logits_to_probs, sparse_to_dense
@@ -107,8 +106,8 @@ class TargetModelRunner:
                 segments = [Segment(b.session.cache, b.feed, b.call.num_draft + 1) for b in batch]
                 logits, forward_ms = self._packer.forward(segments)
         except BaseException:
-            for b in batch:  # a forward that failed part-way leaves caches nobody can trust
-                b.session.cache, b.session.cached_tokens = SessionKVCache(), []
+            for b in batch:
+                b.session.reset()
             raise
         for b in batch:
             b.session.extend(b.feed)

@@ -21,6 +21,7 @@ from specd.models import load_causal_lm
 from specd.packed_forward import Segment, enable_packing
 from specd.sampling import SamplingSettings, SparseDist
 from specd.session_cache import SessionNotFound, SessionStore
+from specd.step_batcher import StepBatcher, run_alone
 from specd.v1 import coordinator_pb2 as pb
 from target_service.runner import TargetModelRunner, VerifyCall
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, request, running_stack
@@ -140,6 +141,53 @@ def test_one_bad_call_fails_alone(runners):
     batched.end_session("ok")
 
 
+@pytest.fixture(scope="module")
+def draft_runner(tiny_pair):
+    from draft_service.runner import DraftModelRunner
+
+    loaded = load_causal_lm(tiny_pair[1], dtype="float32", device="cpu")
+    runner = DraftModelRunner(loaded, SessionStore(16, 60.0), max_support=64)
+    assert runner.packer is not None
+    return runner
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_draft_jobs_of_different_sessions_share_forwards_and_draft_as_alone(draft_runner, temperature):
+    """Proposes of ragged lengths and a Speculate tree, stepped together, against each run alone."""
+    sampling = SamplingSettings(temperature=temperature, top_k=0, top_p=0.95, seed=5)
+    prompts = [list(range(7, 7 + n)) for n in (4, 11, 6)]
+    model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    sizes: list[int] = []
+    steps = StepBatcher(model_thread.submit, draft_runner.packer, 8, lambda size, ms: sizes.append(size))
+    held = threading.Event()
+    model_thread.submit(held.wait, 5)  # everything below is pending when the first turn comes
+
+    def jobs(tag: str):
+        return [
+            lambda: draft_runner.propose_job(f"{tag}0", 0, prompts[0], 3, sampling, 0),
+            lambda: draft_runner.propose_job(f"{tag}1", 0, prompts[1], 6, sampling, 0),
+            lambda: draft_runner.speculate_job(f"{tag}2", 0, prompts[2], [40, 41], 3, [2, 1, 2], sampling, 0, 1.0, [], threading.Event()),
+        ]
+
+    futures = [steps.start(make, i) for i, make in enumerate(jobs("b"))]
+    held.set()
+    together = [f.result(10) for f in futures]
+    alone = [model_thread.submit(lambda m=make: run_alone(m())).result(10) for make in jobs("a")]
+    model_thread.shutdown()
+    assert max(sizes) == 3  # the first steps ran as one forward
+    for got, want in zip(together[:2], alone[:2]):
+        assert got.draft_tokens == want.draft_tokens
+        for g, w in zip(got.draft_dists, want.draft_dists):
+            assert g.token_ids == w.token_ids and g.probs == pytest.approx(w.probs, abs=1e-4)
+    tree, tree_alone = together[2], alone[2]
+    assert [(b.accepted, b.next_token, b.draft_tokens) for b in tree.branches] == [
+        (b.accepted, b.next_token, b.draft_tokens) for b in tree_alone.branches
+    ]
+    for tag in ("a", "b"):
+        for i in range(3):
+            draft_runner.end_session(f"{tag}{i}")
+
+
 def test_the_batcher_batches_one_call_per_session_and_skips_cancelled_ones():
     model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     batches: list[list[str]] = []
@@ -171,7 +219,7 @@ def test_concurrent_requests_share_target_forwards_and_decode_as_alone(tiny_pair
     model, _ = load_reference(tiny_pair[0])
     prompts = [[5 + i, 17, 42 + i, 99, 7, 3 + 2 * i][: 3 + i % 4] for i in range(8)]
     on = {"metrics_port": 0}
-    with running_stack(*tiny_pair, target_overrides=on) as stack:
+    with running_stack(*tiny_pair, target_overrides=on, draft_overrides=on) as stack:
         runner = stack.target.servicer.runner
         original = runner.verify_batch
 
@@ -185,8 +233,8 @@ def test_concurrent_requests_share_target_forwards_and_decode_as_alone(tiny_pair
             responses = list(pool.map(
                 lambda p: stub.Generate(request(p, mode=mode, max_new_tokens=24), timeout=CALL_TIMEOUT_S), prompts
             ))
-        target = scrape(stack.target.metrics.port)
-        assert len(runner.sessions) == 0 or _sessions_end(runner)
+        target, draft = scrape(stack.target.metrics.port), scrape(stack.draft.metrics.port)
+        assert _sessions_end(runner)
     for prompt, response in zip(prompts, responses):
         assert response.stats.mode == mode
         want = greedy_reference(model, prompt, 24)
@@ -194,6 +242,9 @@ def test_concurrent_requests_share_target_forwards_and_decode_as_alone(tiny_pair
     op = (("op", "verify"),)
     forwards, sessions = target[("specd_forward_batch_size_count", op)], target[("specd_forward_batch_size_sum", op)]
     assert sessions > forwards, f"{forwards} verify forwards served {sessions} verifies: nothing was batched"
+    if mode != pb.SPECULATION_MODE_OFF:  # the draft's steps: Propose (sd) or Speculate (ssd) of many sessions
+        step = (("op", "step"),)
+        assert draft[("specd_forward_batch_size_sum", step)] > draft[("specd_forward_batch_size_count", step)]
 
 
 def _sessions_end(runner, seconds: float = 5.0) -> bool:

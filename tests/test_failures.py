@@ -109,7 +109,7 @@ def test_draft_restart_mid_request_keeps_the_result_exact(stack, reference):
     stack.stop_draft()
     stack.restart_draft()
     assert stack.draft is not old_draft and _sessions(stack.draft) == 0
-    proposals = count_calls(stack.draft.servicer.runner, "propose")
+    proposals = count_calls(stack.draft.servicer.runner, "propose_job")
     gate.release()
     messages.extend(call)
     final = messages[-1]
@@ -147,7 +147,7 @@ def test_target_restart_between_rounds_keeps_the_result_exact(stack, reference):
     stub = stack.stub()
     call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
     messages = [next(call)]
-    gate = RunnerGate(stack.draft.servicer.runner, "propose")
+    gate = RunnerGate(stack.draft.servicer.runner, "propose_job")
     assert gate.held.wait(5.0)
     old_target = stack.target
     stack.stop_target()

@@ -91,12 +91,12 @@ def test_first_draft_is_made_while_the_target_prefills(stack, stub, reference, m
     mode = pb.SPECULATION_MODE_SD
     model, _, prompts, greedy = reference
     text = PROMPTS[2]
-    calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose"))
+    calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose_job"))
     gate = RunnerGate(stack.target.servicer.runner, "prefill")
     try:
         future = stub.Generate.future(request(prompts[text], mode=mode, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
         first = _first_call_while_held(gate, calls, "target's prefill")
-        assert first == "propose", f"draft calls while the target prefilled: {calls}"
+        assert first == "propose_job", f"draft calls while the target prefilled: {calls}"
     finally:
         gate.release()
     response = future.result()
@@ -112,7 +112,7 @@ def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(
     model, _, prompts, greedy = reference
     text = PROMPTS[5]
     target_runner = stack.target.servicer.runner
-    calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose", "speculate"))
+    calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose_job", "speculate_job"))
     target_prefills = _record_calls(monkeypatch, target_runner, ("prefill",))
     verifies: list[tuple[int, list[int], list[int]]] = []  # (start, tokens, draft tokens)
     original_verify = target_runner.verify
@@ -127,7 +127,7 @@ def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(
             request(prompts[text], mode=pb.SPECULATION_MODE_SSD, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S
         )
         first = _first_call_while_held(gate, calls, "first verify")
-        assert first == "speculate", f"draft calls while the target prefilled: {calls}"
+        assert first == "speculate_job", f"draft calls while the target prefilled: {calls}"
     finally:
         gate.release()
     response = future.result()
