@@ -68,10 +68,13 @@ class WorkerServicer:
 
     async def Info(self, request, context):
         try:
-            loaded = self._ready_runner().loaded
+            runner = self._ready_runner()
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
-        return self._info(loaded)
+        info = self._info(runner.loaded)
+        # The coordinator sizes its admission to this (coordinator/admission.py).
+        info.max_sessions = runner.sessions.max_sessions
+        return info
 
 
 def common_info(loaded) -> dict:
