@@ -52,6 +52,14 @@ class CoordinatorConfig:
     ssd_speculate_early: bool = setting(
         True, "ssd, with verify ahead: start round T+1's Speculate for round T's likeliest outcome before Verify(T) answers"
     )
+    # 0 sizes it from the workers' --max-sessions (coordinator/admission.py, running_limit): the
+    # smaller cap less an eighth of headroom for sessions a failed EndSession left behind.
+    max_concurrent_requests: int = setting(
+        0, "requests served at once; more wait in the queue (0: from the workers' --max-sessions, less headroom)"
+    )
+    max_queued_requests: int = setting(
+        256, "requests that may wait for a place when --max-concurrent-requests are running; more get RESOURCE_EXHAUSTED"
+    )
     trace_max_round_spans: int = setting(
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
@@ -96,6 +104,10 @@ class CoordinatorConfig:
             raise ConfigError("--ssd-fanout-r must be >= 0")
         if not 0.0 <= self.ssd_saguaro_c <= 1.0:
             raise ConfigError("--ssd-saguaro-c must lie in [0, 1] (1 = off)")
+        if self.max_concurrent_requests < 0:
+            raise ConfigError("--max-concurrent-requests must be >= 0 (0: sized from the workers' --max-sessions)")
+        if self.max_queued_requests < 0:
+            raise ConfigError("--max-queued-requests must be >= 0")
         if self.trace_max_round_spans < 1:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:

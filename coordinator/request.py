@@ -28,6 +28,7 @@ class TargetFacts:
     eos_token_ids: frozenset[int]
     default_sampling: SamplingSettings
     tensor_parallel: int
+    max_sessions: int = 0  # the target worker's session cap (0: it did not say)
 
 
 @dataclasses.dataclass(frozen=True)

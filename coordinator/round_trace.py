@@ -145,6 +145,7 @@ def record_response(span: trace.Span, finish_reason: int, output_tokens: int, st
         "specd.verify_ms": stats.verify_ms,
         "specd.verified_ahead": stats.verified_ahead,
         "specd.speculated_early": stats.speculated_early,
+        "specd.queue_ms": stats.queue_ms,
     }
     if ttft_ms is not None:
         attributes["specd.ttft_ms"] = ttft_ms

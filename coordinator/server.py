@@ -70,6 +70,7 @@ async def connect(config: CoordinatorConfig, servicer: CoordinatorServicer) -> N
         eos_token_ids=frozenset(info.eos_token_ids),
         default_sampling=sampling_from_proto(info.default_sampling, SamplingSettings()),
         tensor_parallel=info.tensor_parallel,
+        max_sessions=info.max_sessions,
     )
 
 
@@ -100,6 +101,7 @@ async def start_coordinator(
     servicer = CoordinatorServicer(config, target, draft)
     servicer.tracer = get_tracer(provider)
     servicer.metrics = CoordinatorMetrics()
+    servicer.metrics.track_admission(servicer.admission)
     server, port, health_state = create_server(
         config.host,
         config.port,

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from opentelemetry import trace
 
+from coordinator.admission import Admission, Place, running_limit
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait
 from coordinator.output import Chunk, Finish, RequestOutput, settle_text
@@ -47,6 +48,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.facts: TargetFacts | None = None  # set once the target worker has answered
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_coordinator
         self.metrics = None
+        self.admission = Admission(self._running_limit, config.max_queued_requests)
+        self._draft_max_sessions = 0  # the draft's cap as last seen (it is kept while the draft is down)
         # Separate pools: prompts waiting to be tokenised never delay a running stream's text.
         sizes = {"prompt": _PROMPT_THREADS, "large-prompt": _PROMPT_THREADS, "text": _TEXT_THREADS}
         self._pools = {
@@ -70,20 +73,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise ModelLoading(f"the coordinator is waiting for the target worker at {self.target.address}")
         return self.facts
 
+    def _running_limit(self) -> int:
+        """--max-concurrent-requests, or sized from the caps the workers said in their Info."""
+        if self.draft is not None and self.draft.info is not None:
+            self._draft_max_sessions = self.draft.info.max_sessions
+        target_cap = self.facts.max_sessions if self.facts is not None else 0
+        return running_limit(self.config.max_concurrent_requests, [target_cap, self._draft_max_sessions])
+
     def _run_mode(self, asked: str) -> str:
         mode = self.config.default_mode if asked == AUTO else asked
         if mode == AUTO:
             mode = SSD if self.draft is not None else OFF
         return mode
 
-    async def generate(self, request: ResolvedRequest) -> AsyncIterator[Chunk | Finish]:
-        """A request's life: its rounds, each round's tokens committed as text, then how it ended."""
+    async def generate(self, request: ResolvedRequest, place: Place | None = None) -> AsyncIterator[Chunk | Finish]:
+        """A request's life: its rounds, each round's tokens committed as text, then how it ended.
+        `place`, its admission, is released once its worker sessions are ended."""
         text = TextAssembler(self._ready_facts().tokenizer, request.prompt_ids, request.stop_strings)
         output = RequestOutput(text, prompt_len=len(request.prompt_ids))
         span = trace.get_current_span()  # llm_request
         record_request(span, request)
         gen = self._generation(request)
         stats = RequestStats(requested_mode=gen.mode, seed=request.sampling.seed)
+        stats.queue_ms = place.queue_ms if place is not None else 0.0
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         try:
@@ -95,7 +107,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     await rounds.aclose()
                     break
         finally:
-            self._end_request(gen, stats)
+            self._end_request(gen, stats, place)
         yield self._finish(span, gen, stats, output)
 
     def _generation(self, request: ResolvedRequest) -> Generation:
@@ -133,10 +145,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         logprobs = result.logprobs[: len(committed)] if gen.return_logprobs else []
         return output.commit(committed, logprobs, stop_reason, len(gen.committed) >= gen.max_len)
 
-    def _end_request(self, gen: Generation, stats: RequestStats) -> None:
+    def _end_request(self, gen: Generation, stats: RequestStats, place: Place | None) -> None:
         """Free what the request holds, however it ended (also cancelled: what ran is counted)."""
         drop_target_prefill(gen)
-        self._end_sessions(gen.session_id)
+        ending = self._end_sessions(gen.session_id)
+        if place is not None:
+            place.release_after(ending)
         gen.trace.close()
         if self.metrics is not None:
             self.metrics.requests_in_flight.dec()
@@ -153,8 +167,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         record_response(span, finish.finish_reason, completion, finish.stats, ttft_ms, latency_s * 1000.0)
         return finish
 
-    def _end_sessions(self, session_id: str) -> None:
-        """Free the request's caches on both workers, without making the caller wait."""
+    def _end_sessions(self, session_id: str) -> asyncio.Future:
+        """Free the request's caches on both workers, without making the caller wait; the
+        returned task is done once both have answered (or failed, or timed out)."""
 
         async def end() -> None:
             calls = [self.target.end_session(session_id)]
@@ -162,7 +177,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 calls.append(self.draft.end_session(session_id))
             await asyncio.gather(*calls, return_exceptions=True)
 
-        asyncio.ensure_future(end())
+        return asyncio.ensure_future(end())
 
     async def Generate(self, request, context):
         with llm_request(self.tracer, context, "Generate") as span:
@@ -176,34 +191,45 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async for message in messages:
                 yield message
 
+    @contextlib.asynccontextmanager
+    async def _admitted(self, request, context) -> AsyncIterator[tuple[ResolvedRequest, AsyncIterator[Chunk | Finish]]]:
+        """The resolved request and its events, once it has a place (it may queue for one; the queue's wait
+        ends at the call's deadline). While loading, UNAVAILABLE comes before any queueing."""
+        self._ready_facts()
+        async with self.admission.place(context.time_remaining()) as place:
+            resolved = await self._resolve(request)
+            # Closed here, not when collected: its sessions are ended before the place is let go.
+            async with contextlib.aclosing(self.generate(resolved, place)) as events:
+                yield resolved, events
+
     async def _generate(self, request, context, trace_id: str):
         try:
-            resolved = await self._resolve(request)
-            async for event in self.generate(resolved):
-                if isinstance(event, Finish):
-                    return coordinator_pb2.GenerateResponse(
-                        text=event.text,
-                        token_ids=event.token_ids,
-                        logprobs=event.logprobs,
-                        **event.response_fields(resolved.request_id, trace_id),
-                    )
+            async with self._admitted(request, context) as (resolved, events):
+                async for event in events:
+                    if isinstance(event, Finish):
+                        return coordinator_pb2.GenerateResponse(
+                            text=event.text,
+                            token_ids=event.token_ids,
+                            logprobs=event.logprobs,
+                            **event.response_fields(resolved.request_id, trace_id),
+                        )
         except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
             await abort_on_error(context, exc)
 
     async def _generate_stream(self, request, context, trace_id: str):
         try:
-            resolved = await self._resolve(request)
-            async for event in self.generate(resolved):
-                if isinstance(event, Finish):
-                    yield coordinator_pb2.GenerateStreamResponse(**event.response_fields(resolved.request_id, trace_id))
-                elif event.token_ids or event.text:
-                    yield coordinator_pb2.GenerateStreamResponse(
-                        text=event.text,
-                        token_ids=event.token_ids,
-                        logprobs=event.logprobs,
-                        request_id=resolved.request_id,
-                        trace_id=trace_id,
-                    )
+            async with self._admitted(request, context) as (resolved, events):
+                async for event in events:
+                    if isinstance(event, Finish):
+                        yield coordinator_pb2.GenerateStreamResponse(**event.response_fields(resolved.request_id, trace_id))
+                    elif event.token_ids or event.text:
+                        yield coordinator_pb2.GenerateStreamResponse(
+                            text=event.text,
+                            token_ids=event.token_ids,
+                            logprobs=event.logprobs,
+                            request_id=resolved.request_id,
+                            trace_id=trace_id,
+                        )
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
 

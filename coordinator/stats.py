@@ -31,6 +31,7 @@ class RequestStats:
     verified_ahead: int = 0
     speculated_early: int = 0
     fallback_reason: str = ""
+    queue_ms: float = 0.0  # time the request waited for a place (coordinator/admission.py)
 
     def add(self, result: RoundResult) -> None:
         self.rounds += 1
@@ -80,4 +81,5 @@ class RequestStats:
             verified_ahead=self.verified_ahead,
             speculated_early=self.speculated_early,
             seed=self.seed,
+            queue_ms=self.queue_ms,
         )

@@ -53,7 +53,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
     def _observe_step(self, batch_size: int, forward_ms: float) -> None:
         """One forward of the step batcher: how many sessions it served (its time is in each call's)."""
         if self.metrics is not None:
-            self.metrics.observe_batch_size("step", batch_size)
+            self.metrics.observe_batch("step", batch_size)
 
     def _info(self, loaded) -> draft_pb2.DraftInfo:
         return draft_pb2.DraftInfo(**common_info(loaded))

@@ -39,11 +39,11 @@ class ModeRun:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens: int, k: int) -> None:
-    """One greedy request of `mode` through the stack behind `stub`, added to `run`."""
+def specd_request(prompt: str, mode: str, max_new_tokens: int, k: int):
+    """The bench's greedy GenerateRequest of `prompt` in `mode`."""
     from specd.v1 import common_pb2, coordinator_pb2
 
-    request = coordinator_pb2.GenerateRequest(
+    return coordinator_pb2.GenerateRequest(
         prompt=prompt,
         max_new_tokens=max_new_tokens,
         ignore_eos=False,  # a chat answer ends at its EOS, as it would for a user; every mode stops there
@@ -52,6 +52,11 @@ def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens:
             mode=mode_value(mode), num_speculative_tokens=k
         ),
     )
+
+
+def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens: int, k: int) -> None:
+    """One greedy request of `mode` through the stack behind `stub`, added to `run`."""
+    request = specd_request(prompt, mode, max_new_tokens, k)
     started = time.perf_counter()
     response = stub.Generate(request, timeout=600)
     run.seconds += time.perf_counter() - started

@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 
 # Seconds; spans CPU tiny-model latencies (ms) up to long generations (minutes).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Sessions in one forward: powers of two up to the workers' default --max-sessions (64) and past it.
+_BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class ServiceMetrics:
@@ -50,10 +52,11 @@ class ServiceMetrics:
 
 
 class WorkerMetrics(ServiceMetrics):
-    """Target or draft worker: sessions held and time in model forwards."""
+    """Target or draft worker: sessions held, time in model forwards, sessions per forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "") -> None:
         super().__init__()
+        self.role = role  # target or draft: the `role` label of specd_forward_batch_size
         self.active_sessions = Gauge(
             "specd_active_sessions", "sessions (KV caches) this worker holds", registry=self.registry
         )
@@ -66,9 +69,9 @@ class WorkerMetrics(ServiceMetrics):
         )
         self.forward_batch_size = Histogram(
             "specd_forward_batch_size",
-            "sessions one forward of this worker served together",
-            ["op"],
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+            "sessions whose work one model forward on this worker ran together",
+            ["role", "op"],
+            buckets=_BATCH_SIZE_BUCKETS,
             registry=self.registry,
         )
 
@@ -78,8 +81,9 @@ class WorkerMetrics(ServiceMetrics):
     def observe_forward(self, op: str, forward_ms: float) -> None:
         self.forward_seconds.labels(op=op).observe(forward_ms / 1000.0)
 
-    def observe_batch_size(self, op: str, batch_size: int) -> None:
-        self.forward_batch_size.labels(op=op).observe(batch_size)
+    def observe_batch(self, op: str, sessions: int) -> None:
+        """One forward of `op` that ran `sessions` sessions' work together."""
+        self.forward_batch_size.labels(role=self.role, op=op).observe(sessions)
 
 
 class CoordinatorMetrics(ServiceMetrics):
@@ -110,6 +114,26 @@ class CoordinatorMetrics(ServiceMetrics):
             "specd_e2e_request_latency_seconds", "request start to its last token", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.requests_in_flight = Gauge("specd_requests_in_flight", "Generate calls being served", registry=r)
+        # Admission (coordinator/admission.py), as vLLM names them: a running request holds its
+        # place until its worker sessions are ended.
+        self.requests_running = Gauge(
+            "specd_requests_running", "requests holding a place (--max-concurrent-requests)", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "specd_requests_waiting", "requests queued for a place (--max-queued-requests)", registry=r
+        )
+        self.request_queue_time = Histogram(
+            "specd_request_queue_seconds",
+            "time an admitted request waited in the queue for a place (0 when one was free)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def track_admission(self, admission) -> None:
+        """Follow a coordinator.admission.Admission: its places, its queue, each admitted wait."""
+        self.requests_running.set_function(lambda: admission.running)
+        self.requests_waiting.set_function(lambda: admission.waiting)
+        admission.on_admitted = self.request_queue_time.observe
 
     def observe_speculation(self, stats) -> None:
         """Add one request's totals (a coordinator.stats.RequestStats) to the counters."""

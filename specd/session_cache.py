@@ -111,6 +111,10 @@ class SessionStore:
             session.last_used = time.monotonic()
             return session
 
+    @property
+    def max_sessions(self) -> int:
+        return self._max_sessions
+
     def end(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None

@@ -34,7 +34,7 @@ async def start_worker(
     thread = ModelThread(f"{role}-model")
     servicer = make_servicer(thread)
     servicer.tracer = get_tracer(provider)
-    servicer.metrics = WorkerMetrics()
+    servicer.metrics = WorkerMetrics(role)
     server, port, health_state = create_server(
         config.host, config.port, lambda s: add_servicer(servicer, s), [service_name], interceptors, credentials
     )

@@ -43,7 +43,7 @@ class WorkerServicer:
         if self.metrics is not None:
             self.metrics.observe_forward(op, forward_ms)
             if batch_size is not None:
-                self.metrics.observe_batch_size(op, batch_size)
+                self.metrics.observe_batch(op, batch_size)
 
     async def Prefill(self, request, context):
         try:
@@ -71,10 +71,13 @@ class WorkerServicer:
 
     async def Info(self, request, context):
         try:
-            loaded = self._ready_runner().loaded
+            runner = self._ready_runner()
         except Exception as exc:  # noqa: BLE001
             await abort_on_error(context, exc)
-        return self._info(loaded)
+        info = self._info(runner.loaded)
+        # The coordinator sizes its admission to this (coordinator/admission.py).
+        info.max_sessions = runner.sessions.max_sessions
+        return info
 
 
 def common_info(loaded) -> dict:

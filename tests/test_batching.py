@@ -239,11 +239,11 @@ def test_concurrent_requests_share_target_forwards_and_decode_as_alone(tiny_pair
         assert response.stats.mode == mode
         want = greedy_reference(model, prompt, 24)
         assert_greedy_equal_or_near_tie(model, prompt, list(response.token_ids), want)
-    op = (("op", "verify"),)
+    op = (("op", "verify"), ("role", "target"))
     forwards, sessions = target[("specd_forward_batch_size_count", op)], target[("specd_forward_batch_size_sum", op)]
     assert sessions > forwards, f"{forwards} verify forwards served {sessions} verifies: nothing was batched"
     if mode != pb.SPECULATION_MODE_OFF:  # the draft's steps: Propose (sd) or Speculate (ssd) of many sessions
-        step = (("op", "step"),)
+        step = (("op", "step"), ("role", "draft"))
         assert draft[("specd_forward_batch_size_sum", step)] > draft[("specd_forward_batch_size_count", step)]
 
 

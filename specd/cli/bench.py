@@ -36,6 +36,12 @@ def add_parser(subparsers) -> None:
     # core, and the whole default run must stay within 10 minutes on the 2-core machine.
     parser.add_argument("--repeats", type=int, default=2, help="passes over all prompts, each prompt through every mode in turn")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    # Default 1: the run above, one request at a time, whose figures are `modes`; the JSON gets a
+    # `concurrency` block only when levels are named.
+    parser.add_argument("--concurrency", default=None,
+                        help="client streams at once, comma-separated levels like 1,4,8 (default 1: one at a time, as "
+                             "`modes` reports): off, sd and ssd (those in --modes) also run at each level with that "
+                             "many concurrent GenerateStream clients, reported under `concurrency` in the JSON")
     parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=False,
                         help="also run ssd on a stack with tracing disabled and one exporting every span")
     parser.add_argument("--json", dest="json_path", default="", help="write the results to this file")
@@ -79,6 +85,13 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"specd bench: unknown modes {unknown}; choose from {', '.join(bench.ALL_MODES)}", file=sys.stderr)
         return 2
+    from specd import bench_concurrency
+
+    try:
+        levels = bench_concurrency.parse_levels(args.concurrency) if args.concurrency is not None else []
+    except ValueError as exc:
+        print(f"specd bench: {exc}", file=sys.stderr)
+        return 2
     prompts = load_prompts(args.prompts, args.num_prompts)
     skipped = {m: reason for m, reason in ADDRESS_SKIPS.items() if args.address and m in modes}
     modes = [m for m in modes if m not in skipped]
@@ -100,11 +113,14 @@ def run(args: argparse.Namespace) -> int:
             if args.tracing_overhead and SSD in modes:
                 receiver = start_traced_stacks(args, stacks, traced_addresses)
         runs, verify_times, target_cpus = run_passes(args, modes, prompts, address, traced_addresses)
+        concurrency = run_concurrency(args, levels, modes, prompts, address)
     finally:
         stop_processes(stacks, timeout_s=60)
         if receiver is not None:
             receiver.stop()
     summary = build_summary(args, runs, traced_addresses, skipped, verify_times, target_cpus, len(prompts), address)
+    if levels:
+        summary["concurrency"] = concurrency
     report(summary, args, len(verify_times), target_cpus)
     if args.json_path:
         bench.to_json(summary, args.json_path)
@@ -170,6 +186,21 @@ def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_
     return runs, verify_times, target_cpus
 
 
+def run_concurrency(args, levels: list[int], modes: list[str], prompts: list[str], address: str) -> dict:
+    """The service modes at each --concurrency level, on the stack at `address`."""
+    from specd import bench_concurrency
+
+    service_modes = [m for m in modes if m in (OFF, SD, SSD)]
+    if not levels or not service_modes:
+        return {}
+    print(f"specd bench: {', '.join(service_modes)} at {', '.join(map(str, levels))} concurrent streams ...",
+          file=sys.stderr, flush=True)
+    stub = _stub(address, args if args.address else None)
+    return bench_concurrency.run_levels(stub, levels, service_modes, prompts, args.max_new_tokens,
+                                        args.num_speculative_tokens,
+                                        log=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def build_summary(args, runs: dict, traced_addresses: dict, skipped: dict[str, str], verify_times: list[float],
               target_cpus, num_prompts: int, address: str) -> dict:
     """The JSON's content; its keys are the same whether or not a mode or figure was skipped
@@ -227,6 +258,11 @@ def report(summary: dict, args, verify_samples: int, target_cpus) -> None:
               f"{t['default_tokens_per_s']:.1f}, exporting every span {t['exported_tokens_per_s']:.1f} "
               f"(cost of exporting: {t['exported_cost']:+.1%})")
     print("greedy outputs identical across specd modes: " + ("yes" if summary["identical_outputs"] else "NO"))
+    if summary.get("concurrency"):
+        from specd import bench_concurrency
+
+        print("concurrent client streams (tok/s: all streams together):")
+        print(bench_concurrency.format_table(summary["concurrency"]))
 
 
 def _served_models(address: str, connection: argparse.Namespace) -> tuple[str, str]:

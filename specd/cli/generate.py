@@ -95,6 +95,7 @@ def stats_dict(stats) -> dict:
         "draft_wait_ms": stats.draft_wait_ms,
         "verify_ms": stats.verify_ms,
         "verified_ahead": stats.verified_ahead,
+        "queue_ms": stats.queue_ms,
         "fallback_reason": stats.fallback_reason,
         "seed": stats.seed,
     }

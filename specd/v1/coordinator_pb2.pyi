@@ -91,7 +91,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "fallback_reason", "accepted_per_position", "cache_hits", "cache_misses", "cache_hit_rate", "draft_wait_ms", "seed", "verify_ms", "verified_ahead", "speculated_early")
+    __slots__ = ("mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length", "fallback_reason", "accepted_per_position", "cache_hits", "cache_misses", "cache_hit_rate", "draft_wait_ms", "seed", "verify_ms", "verified_ahead", "speculated_early", "queue_ms")
     MODE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class SpeculationStats(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     SPECULATED_EARLY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     rounds: int
     draft_tokens: int
@@ -124,7 +125,8 @@ class SpeculationStats(_message.Message):
     verify_ms: float
     verified_ahead: int
     speculated_early: int
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., seed: _Optional[int] = ..., verify_ms: _Optional[float] = ..., verified_ahead: _Optional[int] = ..., speculated_early: _Optional[int] = ...) -> None: ...
+    queue_ms: float
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., fallback_reason: _Optional[str] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., seed: _Optional[int] = ..., verify_ms: _Optional[float] = ..., verified_ahead: _Optional[int] = ..., speculated_early: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stop_reason", "usage", "stats", "logprobs", "trace_id", "request_id")
