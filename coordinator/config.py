@@ -57,6 +57,9 @@ class CoordinatorConfig:
     max_concurrent_requests: int = setting(
         0, "requests served at once; more wait in the queue (0: from the workers' --max-sessions, less headroom)"
     )
+    speculation_max_running: int = setting(
+        2, "requests at once up to which each speculates as asked; past it half K and budget, past twice it none (0: no limit)"
+    )
     max_queued_requests: int = setting(
         256, "requests that may wait for a place when --max-concurrent-requests are running; more get RESOURCE_EXHAUSTED"
     )
@@ -108,6 +111,8 @@ class CoordinatorConfig:
             raise ConfigError("--max-concurrent-requests must be >= 0 (0: sized from the workers' --max-sessions)")
         if self.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests must be >= 0")
+        if self.speculation_max_running < 0:
+            raise ConfigError("--speculation-max-running must be >= 0 (0: no limit)")
         if self.trace_max_round_spans < 1:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:

@@ -13,6 +13,7 @@ import time
 from typing import AsyncIterator
 
 from coordinator.draft_wait import DraftWait, answer_within
+from coordinator.load import UNLIMITED, SpeculationLoad
 from coordinator.round_trace import RoundTrace
 from coordinator.workers import DraftFailed, DraftLink, TargetLink, WorkerSession
 from specd.modes import OFF, SD
@@ -36,6 +37,7 @@ class Generation:
     trace: RoundTrace = dataclasses.field(default_factory=RoundTrace)  # the request's round spans
     target_prefill: asyncio.Future | None = None  # the prompt's prefill, until round 0 awaits it
     draft_wait: DraftWait = dataclasses.field(default_factory=DraftWait)  # how long a round waits for the draft
+    load: SpeculationLoad = UNLIMITED  # how much to speculate with this many requests running
     target_session: WorkerSession = dataclasses.field(init=False)
     draft_session: WorkerSession = dataclasses.field(init=False)
 
@@ -113,7 +115,7 @@ async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None
 
 
 async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None, index: int, remaining: int) -> RoundResult:
-    num_draft = min(gen.num_speculative_tokens, remaining - 1)
+    num_draft = min(gen.load.k(gen.num_speculative_tokens), remaining - 1)
     drafted = await _draft_beside_prefill(gen, draft, num_draft)
     draft_tokens, draft_dists = drafted.tokens, drafted.dists
     verify = await target.verify(

@@ -13,6 +13,7 @@ from typing import AsyncIterator
 from opentelemetry import trace
 
 from coordinator.admission import Admission, Place, running_limit
+from coordinator.load import SpeculationLoad
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait
 from coordinator.output import Chunk, Finish, RequestOutput, settle_text
@@ -125,6 +126,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=frozenset() if request.ignore_eos else facts.eos_token_ids,
             trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
             draft_wait=DraftWait(self.config.draft_wait_verifies, self.config.draft_wait_min_ms),
+            load=SpeculationLoad(self.config.speculation_max_running, lambda: self.admission.running),
         )
 
     def _rounds(self, gen: Generation) -> AsyncIterator[RoundResult]:

@@ -114,7 +114,7 @@ class SsdRequest:
 
     def __init__(self, gen: Generation, target: TargetLink, draft: DraftLink | None, config: CoordinatorConfig):
         self.gen, self._target, self._draft, self._config = gen, target, draft, config
-        self._sizing = RequestSizing(k=gen.num_speculative_tokens, budget=config.ssd_budget)
+        self._sizing = RequestSizing(gen.num_speculative_tokens, config.ssd_budget, gen.load)
         self._ahead = VerifyAhead(gen, target)
         self._speculator = Speculator(gen, draft, config, self._sizing, self._ahead)
         self._launch: _Launch | None = None
@@ -154,7 +154,10 @@ class SsdRequest:
         if not (gen.mode == SSD and draft is not None and draft.usable()):
             reason = draft.last_error if draft is not None else "no draft worker is configured"
             return RoundDraft(_NO_DRAFT, fallback=reason, speculates=False)
-        num_draft = min(self._sizing.k, self.remaining - 1)
+        k = self._sizing.k
+        if k <= 0:  # many requests run: this round is a plain target step (coordinator/load.py)
+            return RoundDraft(_NO_DRAFT, speculates=False)
+        num_draft = min(k, self.remaining - 1)
         if num_draft <= 0:
             return RoundDraft(_NO_DRAFT)
         waited_ms = lookup.wait_ms if lookup is not None else 0.0

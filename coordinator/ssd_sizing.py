@@ -1,8 +1,8 @@
 """One ssd request's K, budget B and running acceptance: what sizes its speculation trees.
 
-K and B are the request's (its num_speculative_tokens, the coordinator's --ssd-budget) and do
-not move: an adaptive controller that moved them from measured throughput did not beat a fixed
-budget on the default pair (docs/ssd.md, "Budget: fixed"). The acceptance is the request's own,
+K and B are the request's (its num_speculative_tokens, the coordinator's --ssd-budget), cut only
+when many requests run at once (coordinator/load.py): an adaptive controller that moved them from
+measured throughput did not beat a fixed budget on the default pair (docs/ssd.md, "Budget: fixed"). The acceptance is the request's own,
 never shared with other requests: the fan-out spreads the budget over the outcomes (k, t*) it
 makes likely (specd/fanout.py), and the early Speculate bets on the likeliest of them.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from coordinator.load import UNLIMITED, SpeculationLoad
 from specd import fanout as fanout_lib
 
 # Acceptance (per token) before the request has verified anything, and its weight in rounds.
@@ -24,10 +25,21 @@ class RequestSizing:
     capped-geometric maximum-likelihood estimate (accepted tokens over accepted tokens plus
     rejections)."""
 
-    k: int
-    budget: int
+    asked_k: int
+    asked_budget: int
+    load: SpeculationLoad = UNLIMITED
     accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
     rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+
+    @property
+    def k(self) -> int:
+        """Draft tokens per round now: K, less under load."""
+        return self.load.k(self.asked_k)
+
+    @property
+    def budget(self) -> int:
+        """Branches per tree now: B, less under load."""
+        return self.load.budget(self.asked_budget)
 
     @property
     def acceptance(self) -> float:

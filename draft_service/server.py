@@ -35,7 +35,9 @@ async def start_draft(config: DraftConfig, interceptors: list | None = None, tra
     return await start_worker(
         "draft",
         config,
-        lambda thread: DraftServicer(thread, config.max_speculate_branches, config.max_speculate_depth, config.max_batch_size),
+        lambda thread: DraftServicer(
+            thread, config.max_speculate_branches, config.max_speculate_depth, config.max_batch_size, config.batch_wait_ms
+        ),
         draft_pb2_grpc.add_DraftWorkerServicer_to_server,
         SERVICE_NAME,
         lambda: load_runner(config),

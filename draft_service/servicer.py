@@ -34,7 +34,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
     prefill_response = draft_pb2.DraftPrefillResponse
     end_session_response = draft_pb2.DraftEndSessionResponse
 
-    def __init__(self, thread: ModelThread, max_branches: int, max_depth: int, max_batch_size: int = 16):
+    def __init__(self, thread: ModelThread, max_branches: int, max_depth: int, max_batch_size: int = 16, batch_wait_ms: float = 0.0):
         """max_branches: most branches per Speculate; max_depth: most draft tokens per Propose,
         per Speculate branch, and verified beside one Speculate; max_batch_size: most sessions
         one forward serves (DraftConfig)."""
@@ -42,13 +42,18 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
         self._max_branches = max_branches
         self._max_depth = max_depth
         self._max_batch_size = max_batch_size
+        self._batch_wait_s = batch_wait_ms / 1000.0
         self._steps: StepBatcher | None = None  # once the model is loaded: it needs the model's packer
 
     def _step_batcher(self, runner: DraftModelRunner) -> StepBatcher:
         """Proposes and Speculates of different sessions share forwards, step by step."""
         if self._steps is None:
-            self._steps = StepBatcher(self._thread.submit, runner.packer, self._max_batch_size, self._observe_step)
+            self._steps = StepBatcher(self._thread.submit, runner.packer, self._max_batch_size, self._observe_step, self._batch_wait_s)
         return self._steps
+
+    def _forget(self, session_id: str) -> None:
+        if self._steps is not None:
+            self._steps.forget(session_id)  # turns do not wait for its calls
 
     def _observe_step(self, batch_size: int, forward_ms: float) -> None:
         """One forward of the step batcher: how many sessions it served (its time is in each call's)."""

@@ -9,7 +9,8 @@ forward, or alone when a single job is active, through the job's own forward, as
 batching. Between turns the model thread serves whatever else is queued on it.
 
 A job's generator returns its result (StopIteration.value); an exception it raises fails that
-job alone. A forward that fails fails every job in it.
+job alone. A forward that fails fails every job in it. When no job is active, a turn waits a
+little for the sessions of the last forwards to send their next calls (specd/batcher.py, why).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import threading
+import time
 from typing import Callable, Generator, Hashable
 
 import torch
 
+from specd.batcher import RecentSessions
 from specd.packed_forward import Packer, Segment
 
 Logits = tuple[torch.Tensor, float]  # ([num_logits, V] float32, forward ms)
@@ -80,12 +83,20 @@ def forward_steps(steps: list[Step], packer: Packer | None) -> list[Logits]:
 class StepBatcher:
     """`submit(fn)` queues work on the model thread; `observe(batch_size, forward_ms)` sees each forward."""
 
-    def __init__(self, submit: Callable, packer: Packer | None, max_batch: int, observe: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        submit: Callable,
+        packer: Packer | None,
+        max_batch: int,
+        observe: Callable[[int, float], None] | None = None,
+        max_wait_s: float = 0.0,
+    ):
         self._submit = submit
         self._packer = packer
         self._max_batch = max_batch
         self._observe = observe
-        self._lock = threading.Lock()
+        self._recent = RecentSessions(max_wait_s, max_batch)
+        self._lock = threading.Condition()
         self._pending: collections.deque[_Active] = collections.deque()
         self._active: list[_Active] = []  # the model thread's alone
         self._scheduled = False
@@ -98,6 +109,7 @@ class StepBatcher:
             self._pending.append(entry)
             schedule = not self._scheduled
             self._scheduled = True
+            self._lock.notify()
         if schedule:
             self._schedule()
         return entry.future
@@ -115,6 +127,8 @@ class StepBatcher:
 
     def _turn(self) -> None:
         """On the model thread: admit new jobs, run one step of every active job."""
+        if not self._active:
+            self._recent.wait(self._lock, lambda: {entry.session for entry in self._pending})
         self._admit()
         if self._active:
             self._advance(self._active)
@@ -124,6 +138,11 @@ class StepBatcher:
             self._scheduled = again
         if again:
             self._schedule()
+
+    def forget(self, session: Hashable) -> None:
+        """The session ended: the next turns do not wait for it."""
+        with self._lock:
+            self._recent.forget(session)
 
     def _admit(self) -> None:
         """Pending jobs whose session has no active job, oldest first, up to the cap: each
@@ -151,12 +170,15 @@ class StepBatcher:
         ready = [entry for entry in active if entry.step is not None]
         if not ready:
             return
+        started = time.perf_counter()
         try:
             results = forward_steps([entry.step for entry in ready], self._packer)
         except BaseException as exc:  # noqa: BLE001 - every job of the forward reports it
             for entry in ready:
                 self._fail(entry, exc)
             return
+        with self._lock:
+            self._recent.served([entry.session for entry in ready], time.perf_counter() - started)
         if self._observe is not None:
             self._observe(len(ready), results[0][1])
         for entry, logits in zip(ready, results):

@@ -23,6 +23,7 @@ class WorkerConfig:
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
     max_batch_size: int = setting(16, "most sessions one forward serves together (1: no batching)")
+    batch_wait_ms: float = setting(10.0, "most time a forward waits for the previous batch's sessions to send their next calls (0: none)")
     tls_cert_file: str = setting("", "PEM certificate (chain) the gRPC server presents: serve TLS (with --tls-key-file)")
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file")
     tls_client_ca_file: str = setting("", "PEM CA: require client certificates it signed (mTLS; needs --tls-cert-file)")
@@ -35,6 +36,8 @@ class WorkerConfig:
             raise ConfigError("--max-sessions must be >= 1")
         if self.max_batch_size < 1:
             raise ConfigError("--max-batch-size must be >= 1")
+        if self.batch_wait_ms < 0:
+            raise ConfigError("--batch-wait-ms must be >= 0")
         if self.session_idle_timeout_s <= 0:
             raise ConfigError("--session-idle-timeout-s must be > 0")
         check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

@@ -2,8 +2,8 @@
 
 The servicer calls these methods from one executor thread. A tensor-parallel
 runner offers the same methods: rank 0 broadcasts each call and every rank runs it.
-Verifies of different sessions that are ready together run as one packed forward
-(specd/packed_forward.py); each then takes its own ratio test.
+Verifies and prompt prefills of different sessions that are ready together run as one
+packed forward (specd/packed_forward.py); each verify then takes its own ratio test.
 """
 
 from __future__ import annotations
@@ -48,13 +48,27 @@ class VerifyCall:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Synced:
-    """A verify joined to its session: what the forward feeds and where d_1 sits."""
+class PrefillCall:
+    """Cache a session's committed tokens but the last (the next verify feeds it)."""
 
-    call: VerifyCall
+    session_id: str
+    start: int
+    tokens: list[int]  # the committed tail, from position `start`
+
+
+Call = VerifyCall | PrefillCall
+Prefilled = tuple[int, float]  # (tokens cached, forward ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Synced:
+    """A call joined to its session: what the forward feeds, the logits kept, where d_1 sits."""
+
+    call: Call
     session: Session
-    feed: list[int]  # uncached committed tokens (at least the last), then d_1..d_K
-    first_position: int  # absolute position of d_1
+    feed: list[int]  # verify: uncached committed tokens (at least the last), then d_1..d_K
+    num_logits: int
+    first_position: int  # absolute position of d_1 (of the token after the committed ones)
 
 
 class TargetModelRunner:
@@ -73,37 +87,50 @@ class TargetModelRunner:
         (logits,), forward_ms = self._forward([joined])  # [K+1, V]
         return self._decide(joined, logits, forward_ms)
 
-    def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | BaseException]:
-        """Verifies of different sessions in one forward; each call's outcome, or what it raised."""
+    def run_batch(self, calls: list[Call]) -> list[VerifyOutcome | Prefilled | BaseException]:
+        """Verifies and prefills of different sessions in one forward; each call's outcome
+        (a VerifyOutcome, or a prefill's (cached, ms)), or what it raised."""
         if len(calls) == 1 or self._packer is None:
-            return [_outcome_or_error(self.verify, call) for call in calls]
-        results: list[VerifyOutcome | BaseException] = [None] * len(calls)  # type: ignore[list-item]
+            return [_outcome_or_error(self._run_alone, call) for call in calls]
+        results: list = [None] * len(calls)
         synced: dict[int, _Synced] = {}
         for i, call in enumerate(calls):
             try:
                 synced[i] = self._sync(call)
             except Exception as exc:  # noqa: BLE001 - this call alone fails
                 results[i] = exc
+        for i in [i for i, joined in synced.items() if not joined.feed]:  # a prefill with nothing to cache
+            results[i] = (len(synced.pop(i).session.cached_tokens), 0.0)
         if synced:
-            logits, forward_ms = self._forward(list(synced.values()))  # [K+1, V] each
+            logits, forward_ms = self._forward(list(synced.values()))  # [num_logits, V] each
             for (i, joined), call_logits in zip(synced.items(), logits):
-                results[i] = self._decide(joined, call_logits, forward_ms)
+                if isinstance(joined.call, PrefillCall):
+                    results[i] = (len(joined.session.cached_tokens), forward_ms)
+                else:
+                    results[i] = self._decide(joined, call_logits, forward_ms)
         return results
 
-    def _sync(self, call: VerifyCall) -> _Synced:
+    def _run_alone(self, call: Call) -> VerifyOutcome | Prefilled:
+        if isinstance(call, PrefillCall):
+            return self.prefill(call.session_id, call.start, call.tokens)
+        return self.verify(call.session_id, call.start, call.tokens, call.draft_tokens, call.dists, call.sampling, call.return_logprobs)
+
+    def _sync(self, call: Call) -> _Synced:
         session = self.sessions.open(call.session_id, call.start)
         committed, feed = session.sync(call.start, call.tokens)
-        return _Synced(call, session, feed + call.draft_tokens, len(committed))
+        if isinstance(call, PrefillCall):
+            return _Synced(call, session, feed[:-1], 1, len(committed))
+        return _Synced(call, session, feed + call.draft_tokens, call.num_draft + 1, len(committed))
 
     def _forward(self, batch: list[_Synced]) -> tuple[list[torch.Tensor], float]:
-        """Each verify's logits after [last committed, d_1..d_K] ([K+1, V] each) and the forward's ms."""
+        """Each call's last `num_logits` logits ([num_logits, V] each) and the forward's ms."""
         try:
             if len(batch) == 1:
                 one = batch[0]
-                logits, forward_ms = forward_logits(self.loaded.model, one.session.cache, one.feed, one.call.num_draft + 1)
+                logits, forward_ms = forward_logits(self.loaded.model, one.session.cache, one.feed, one.num_logits)
                 logits = [logits]
             else:
-                segments = [Segment(b.session.cache, b.feed, b.call.num_draft + 1) for b in batch]
+                segments = [Segment(b.session.cache, b.feed, b.num_logits) for b in batch]
                 logits, forward_ms = self._packer.forward(segments)
         except BaseException:
             for b in batch:
@@ -149,8 +176,8 @@ class TargetModelRunner:
         return self.sessions.expire_idle()
 
 
-def _outcome_or_error(verify, call: VerifyCall) -> VerifyOutcome | BaseException:
+def _outcome_or_error(run, call: Call) -> VerifyOutcome | Prefilled | BaseException:
     try:
-        return verify(call.session_id, call.start, call.tokens, call.draft_tokens, call.dists, call.sampling, call.return_logprobs)
+        return run(call)
     except Exception as exc:  # noqa: BLE001 - this call alone fails
         return exc

@@ -16,7 +16,7 @@ from specd.v1 import target_pb2, target_pb2_grpc
 from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from specd.worker_servicer import WorkerServicer, common_info
 from target_service.outcomes import VerifyOutcomes
-from target_service.runner import TargetModelRunner, VerifyCall, VerifyOutcome
+from target_service.runner import PrefillCall, TargetModelRunner, VerifyCall, VerifyOutcome
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
 
@@ -35,14 +35,16 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     prefill_response = target_pb2.TargetPrefillResponse
     end_session_response = target_pb2.TargetEndSessionResponse
 
-    def __init__(self, thread: ModelThread, verify_after_wait_s: float, tensor_parallel: int = 1, max_batch_size: int = 16):
+    def __init__(
+        self, thread: ModelThread, verify_after_wait_s: float, tensor_parallel: int = 1, max_batch_size: int = 16, batch_wait_ms: float = 0.0
+    ):
         super().__init__(thread)
         self._tensor_parallel = tensor_parallel
         self._verify_after_wait_s = verify_after_wait_s  # the longest a VerifyAfter waits (TargetConfig)
         self._verifying: collections.Counter[str] = collections.Counter()  # Verify calls in flight per session
         # Verifies of different sessions ready together share a forward; a verify sent ahead
         # (VerifyAfter) joins the batch right after the verify it follows.
-        self._batcher = Batcher(thread.submit, self._verify_batch, lambda item: item.session_id, max_batch_size)
+        self._batcher = Batcher(thread.submit, self._run_batch, lambda item: item.session_id, max_batch_size, batch_wait_ms / 1000.0)
         self._outcomes = VerifyOutcomes(self._batcher.enqueue)
 
     def _info(self, loaded) -> target_pb2.TargetInfo:
@@ -55,6 +57,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
 
     def _forget(self, session_id: str) -> None:
         self._outcomes.forget(session_id)  # verifies sent ahead for it never run
+        self._batcher.forget(session_id)  # batches do not wait for its calls
 
     async def Verify(self, request, context):
         try:
@@ -143,31 +146,50 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
                 dists.append(dist)
         return VerifyCall(request.session_id, request.committed.start, tokens, draft_tokens, dists, sampling, request.return_logprobs)
 
-    def _verify_batch(self, items: list) -> list:
-        """On the model thread: one forward for a batch of verifies (VerifyCalls, and requests
-        sent ahead whose outcome came, checked only now), each outcome recorded at once so that
-        a verify sent ahead for it joins the next batch."""
+    async def Prefill(self, request, context):
+        """The prompt's prefill, batched with the verifies and prefills of other sessions."""
+        try:
+            runner = self._ready_runner()
+            check_session_id(request.session_id)
+            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
+            call = PrefillCall(request.session_id, request.committed.start, tokens)
+            cached, forward_ms = await asyncio.wrap_future(self._batcher.submit(call))
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
+            await abort_on_error(context, exc)
+        return self.prefill_response(cached_tokens=cached, forward_ms=forward_ms)
+
+    def _run_batch(self, items: list) -> list:
+        """On the model thread: one forward for a batch of prefills and verifies (VerifyCalls, and
+        requests sent ahead whose outcome came, checked only now), each verify's outcome recorded
+        at once so that a verify sent ahead for it joins the next batch."""
         runner = self._ready_runner()
         results: list = [None] * len(items)
-        calls: dict[int, VerifyCall] = {}
+        calls: dict[int, VerifyCall | PrefillCall] = {}
         for i, item in enumerate(items):
             try:
-                calls[i] = item if isinstance(item, VerifyCall) else self._prepare(runner, item)
+                calls[i] = item if isinstance(item, (VerifyCall, PrefillCall)) else self._prepare(runner, item)
             except Exception as exc:  # noqa: BLE001 - this call alone fails
                 results[i] = exc
         started_ns = time.time_ns()
-        outcomes = runner.verify_batch(list(calls.values()))
+        outcomes = runner.run_batch(list(calls.values()))
         ended_ns = time.time_ns()
         for (i, call), outcome in zip(calls.items(), outcomes):
-            if not isinstance(outcome, BaseException):
+            if isinstance(outcome, VerifyOutcome):
                 committed = call.start + len(call.tokens)
                 self._outcomes.record(call.session_id, committed, (outcome.accepted, outcome.next_token))
                 outcome = _Timed(outcome, call, started_ns, ended_ns)
             results[i] = outcome
-        timed = [r for r in results if isinstance(r, _Timed)]
-        if timed:  # one forward, however many calls it served
-            self._observe("verify", timed[0].outcome.forward_ms, batch_size=len(timed))
+        self._observe_forward(results)
         return results
+
+    def _observe_forward(self, results: list) -> None:
+        """One forward in the metrics: as a verify if it verified anything, else as a prefill."""
+        timed = [r for r in results if isinstance(r, _Timed)]
+        prefilled = [r for r in results if isinstance(r, tuple)]
+        if timed:
+            self._observe("verify", timed[0].outcome.forward_ms, batch_size=len(timed) + len(prefilled))
+        elif prefilled:
+            self._observe("prefill", max(ms for _, ms in prefilled), batch_size=len(prefilled))
 
     def _record_span(self, timed: _Timed) -> None:
         """The spec_verify span of a verify run on the model thread at the times it ran."""

@@ -35,7 +35,7 @@ PARENT_ENV = "SPECD_TP_PARENT_PID"  # set on ranks launched by rank 0: they exit
 HEARTBEAT = "_heartbeat"
 SHUTDOWN = "_shutdown"
 END_SESSIONS = "_end_sessions"
-RUNNER_METHODS = ("prefill", "verify", "verify_batch", "end_session")
+RUNNER_METHODS = ("prefill", "verify", "run_batch", "end_session")
 
 
 class RankFailure(OSError):

@@ -54,9 +54,9 @@ class TensorParallelTargetRunner:
     def verify(self, session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs):
         return self._call("verify", session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs)
 
-    def verify_batch(self, calls):
+    def run_batch(self, calls):
         """Every rank runs the packed forward: a call that fails fails alike on each, before any collective."""
-        return self._call("verify_batch", calls)
+        return self._call("run_batch", calls)
 
     def end_session(self, session_id: str) -> bool:
         return self._call("end_session", session_id)

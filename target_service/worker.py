@@ -39,7 +39,8 @@ async def start_target(
         "target",
         config,
         lambda thread: TargetServicer(
-            thread, config.verify_after_wait_s, tensor_parallel=config.tensor_parallel, max_batch_size=config.max_batch_size
+            thread, config.verify_after_wait_s, tensor_parallel=config.tensor_parallel, max_batch_size=config.max_batch_size,
+            batch_wait_ms=config.batch_wait_ms,
         ),
         target_pb2_grpc.add_TargetWorkerServicer_to_server,
         SERVICE_NAME,

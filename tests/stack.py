@@ -161,10 +161,10 @@ def count_calls(runner, name: str) -> list[int]:
 
 def slow_verify(runner, seconds: float) -> None:
     """A target that verifies slower than the tiny draft builds its cache, as a large one does."""
-    original = runner.verify_batch
+    original = runner.run_batch
 
     def slow(calls):  # as slow per session verified as before batching: a large target's share
         time.sleep(seconds * len(calls))
         return original(calls)
 
-    runner.verify_batch = slow
+    runner.run_batch = slow

@@ -55,7 +55,7 @@ class _ProposingDraft:
 def _miss_draft(history: list[int], draft: _ProposingDraft):
     gen = Generation("s", list(history), SamplingSettings(), "ssd", 3, 8, False, max_len=64)
     config = CoordinatorConfig(ssd_backup="ngram")
-    sizing = RequestSizing(k=3, budget=config.ssd_budget)
+    sizing = RequestSizing(3, config.ssd_budget)
     return asyncio.run(draft_after_miss(gen, draft, config, sizing, 3))
 
 

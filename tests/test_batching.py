@@ -114,14 +114,14 @@ def _calls(round_index: int, histories: list[list[int]], sampling: SamplingSetti
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_verify_batch_gives_each_session_its_lone_outcome(runners, temperature):
+def test_a_run_batch_gives_each_session_its_lone_outcome(runners, temperature):
     batched, alone = runners
     sampling = SamplingSettings(temperature=temperature, top_k=0, top_p=1.0, seed=11)
     histories = [list(range(5 + i, 5 + i + 3 * i + 2)) for i in range(6)]  # different context lengths
     for round_index in range(4):
         calls = _calls(round_index, histories, sampling)
-        got = batched.verify_batch(calls)
-        want = alone.verify_batch(calls)
+        got = batched.run_batch(calls)
+        want = alone.run_batch(calls)
         for g, w in zip(got, want):
             assert (g.accepted, g.next_token, g.is_bonus, g.cached_tokens) == (w.accepted, w.next_token, w.is_bonus, w.cached_tokens)
             assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
@@ -136,7 +136,7 @@ def test_one_bad_call_fails_alone(runners):
     batched, _ = runners
     greedy = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, seed=0)
     calls = [VerifyCall("ok", 0, [1, 2, 3], [4], [], greedy, False), VerifyCall("gone", 5, [9], [4], [], greedy, False)]
-    ok, gone = batched.verify_batch(calls)
+    ok, gone = batched.run_batch(calls)
     assert isinstance(gone, SessionNotFound) and ok.cached_tokens == 4
     batched.end_session("ok")
 
@@ -219,15 +219,16 @@ def test_concurrent_requests_share_target_forwards_and_decode_as_alone(tiny_pair
     model, _ = load_reference(tiny_pair[0])
     prompts = [[5 + i, 17, 42 + i, 99, 7, 3 + 2 * i][: 3 + i % 4] for i in range(8)]
     on = {"metrics_port": 0}
-    with running_stack(*tiny_pair, target_overrides=on, draft_overrides=on) as stack:
+    unlimited = {"speculation_max_running": 0}  # speculate at any load: the batched calls are the point
+    with running_stack(*tiny_pair, target_overrides=on, draft_overrides=on, coordinator_overrides=unlimited) as stack:
         runner = stack.target.servicer.runner
-        original = runner.verify_batch
+        original = runner.run_batch
 
         def busy(calls):  # a forward long enough that the other requests' verifies queue behind it
             threading.Event().wait(0.02)
             return original(calls)
 
-        runner.verify_batch = busy
+        runner.run_batch = busy
         stub = stack.stub()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             responses = list(pool.map(
@@ -255,3 +256,31 @@ def _sessions_end(runner, seconds: float = 5.0) -> bool:
     while len(runner.sessions) and time.monotonic() < deadline:
         time.sleep(0.05)
     return len(runner.sessions) == 0
+
+
+def test_a_batch_waits_briefly_for_the_sessions_of_the_last_one():
+    """Answers go out together but next calls come back one by one: without the wait the first
+    would run alone and the rest behind it, two forwards per round instead of one."""
+    model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    batches: list[list[str]] = []
+
+    def run_batch(items):
+        batches.append(items)
+        if len(batches) == 1:
+            threading.Event().wait(0.8)  # a long forward: the wait may be up to a quarter of it
+        return items
+
+    batcher = Batcher(model_thread.submit, run_batch, lambda item: item[0], max_batch=8, max_wait_s=5.0)
+    gate = threading.Event()
+    model_thread.submit(gate.wait, 5)
+    first = [batcher.submit(item) for item in ("a1", "b1", "c1")]
+    gate.set()
+    [f.result(5) for f in first]
+    second = [batcher.submit("a2")]
+    threading.Event().wait(0.03)
+    second += [batcher.submit("b2"), batcher.submit("c2")]
+    [f.result(5) for f in second]
+    third = [batcher.submit("a3")]  # b and c are gone: a3 waits out the bound, then runs
+    assert third[0].result(5) == "a3"
+    model_thread.shutdown()
+    assert batches == [["a1", "b1", "c1"], ["a2", "b2", "c2"], ["a3"]]

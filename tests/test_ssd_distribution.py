@@ -46,7 +46,9 @@ IN_FLIGHT = 8  # concurrent requests: the stack serves them side by side, each i
 SLOWED_VERIFY_S = 0.02  # with 8 requests in flight, 10 ms left every cache late (no verify went ahead)
 
 
-OVERRIDES = dict(ssd_budget=BUDGET, ssd_backup="jit", ssd_saguaro_c=SAGUARO_C)
+# Every request speculates however many run at once (coordinator/load.py would turn ssd down
+# at IN_FLIGHT requests): this is ssd's distribution, with the workers batching its calls.
+OVERRIDES = dict(ssd_budget=BUDGET, ssd_backup="jit", ssd_saguaro_c=SAGUARO_C, speculation_max_running=0)
 
 
 @pytest.fixture(scope="module")

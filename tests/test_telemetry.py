@@ -308,7 +308,7 @@ def test_a_verify_sent_ahead_has_its_span_under_its_call(traced):
         ssd.speculation.mode = pb.SPECULATION_MODE_SSD
         response = stack.stub().Generate(ssd, timeout=CALL_TIMEOUT_S)
     finally:
-        del runner.verify_batch  # the class's own again
+        del runner.run_batch  # the class's own again
         servicer.config = config
     assert response.stats.verified_ahead > 0
     target = _spans(exporters, response.trace_id)["target"]

@@ -1,0 +1,88 @@
+"""Speculation under load (coordinator/load.py): past --speculation-max-running requests a
+request drafts half its K, past twice that none, round by round; while it drafts nothing the
+draft is not called at all, and when load falls it drafts again after catching up in one call.
+Output is exact throughout."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import servicer as servicer_module
+from coordinator.load import SpeculationLoad
+from specd.v1 import coordinator_pb2 as pb
+from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
+from tests.stack import count_calls
+
+PROMPT = [5, 17, 42, 99, 7, 3, 11]
+K, NEW = 4, 32
+
+
+def test_the_share_falls_with_the_requests_running():
+    running = [1]
+    load = SpeculationLoad(2, lambda: running[0])
+    seen = {}
+    for running[0] in (1, 2, 3, 4, 5, 9):
+        seen[running[0]] = (load.k(4), load.budget(8), load.k(1))
+    assert seen == {1: (4, 8, 1), 2: (4, 8, 1), 3: (2, 4, 1), 4: (2, 4, 1), 5: (0, 0, 0), 9: (0, 0, 0)}
+    assert SpeculationLoad(0, lambda: 100).k(4) == 4  # 0: no limit
+
+
+@pytest.fixture(scope="module")
+def loaded_stack(tiny_pair):
+    """A stack whose requests see `forced[0]` requests running, whatever really runs (a
+    callable there is asked each round)."""
+    forced: list = [1]
+
+    def running() -> int:
+        return forced[0]() if callable(forced[0]) else forced[0]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(servicer_module, "SpeculationLoad", lambda max_running, _: SpeculationLoad(max_running, running))
+        with running_stack(*tiny_pair, coordinator_overrides={"speculation_max_running": 1}) as stack:
+            yield stack, forced
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    model, _ = load_reference(tiny_pair[0])
+    return model, greedy_reference(model, PROMPT, NEW)
+
+
+@pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_SSD])
+def test_a_loaded_server_decodes_target_only_without_calling_the_draft(loaded_stack, reference, mode):
+    stack, forced = loaded_stack
+    model, want = reference
+    forced[0] = 3  # past twice the limit of 1
+    runner = stack.draft.servicer.runner
+    proposes, speculates = count_calls(runner, "propose_job"), count_calls(runner, "speculate_job")
+    try:
+        response = stack.stub().Generate(request(PROMPT, mode=mode, k=K, max_new_tokens=NEW), timeout=CALL_TIMEOUT_S)
+    finally:
+        del runner.propose_job, runner.speculate_job  # the class's own again
+    assert response.stats.mode == pb.SPECULATION_MODE_OFF and response.stats.draft_tokens == 0
+    assert not response.stats.fallback_reason  # a policy, not a failure
+    assert proposes[0] == speculates[0] == 0
+    assert_greedy_equal_or_near_tie(model, PROMPT, list(response.token_ids), want)
+
+
+def test_a_busier_server_drafts_half_of_k(loaded_stack, reference):
+    stack, forced = loaded_stack
+    model, want = reference
+    forced[0] = 2  # past the limit, within twice it
+    response = stack.stub().Generate(request(PROMPT, k=K, max_new_tokens=NEW), timeout=CALL_TIMEOUT_S)
+    stats = response.stats
+    assert stats.mode == pb.SPECULATION_MODE_SD and 0 < stats.draft_tokens <= (K // 2) * stats.rounds
+    assert_greedy_equal_or_near_tie(model, PROMPT, list(response.token_ids), want)
+
+
+def test_speculation_resumes_when_the_load_falls(loaded_stack, reference):
+    stack, forced = loaded_stack
+    model, want = reference
+    asked = iter([3] * 6)  # six rounds target-only, which the draft never sees; then load falls
+    forced[0] = lambda: next(asked, 1)
+    messages = list(stack.stub().GenerateStream(request(PROMPT, k=K, max_new_tokens=NEW), timeout=CALL_TIMEOUT_S))
+    stats = messages[-1].stats
+    tokens = [t for m in messages for t in m.token_ids]
+    assert stats.rounds < NEW - 6  # the rounds after the first six took more than one token each
+    assert stats.mode == pb.SPECULATION_MODE_SD and stats.draft_tokens > 0 and not stats.fallback_reason
+    assert_greedy_equal_or_near_tie(model, PROMPT, tokens, want)
