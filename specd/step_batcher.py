@@ -9,8 +9,8 @@ forward, or alone when a single job is active, through the job's own forward, as
 batching. Between turns the model thread serves whatever else is queued on it.
 
 A job's generator returns its result (StopIteration.value); an exception it raises fails that
-job alone. A forward that fails fails every job in it. When no job is active, a turn waits a
-little for the sessions of the last forwards to send their next calls (specd/batcher.py, why).
+job alone. A forward that fails fails every job in it. When no job is active, a turn may wait a
+little for the sessions of the last forwards to send their next calls (specd/turns.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Callable, Generator, Hashable
 
 import torch
 
-from specd.batcher import RecentSessions
 from specd.packed_forward import Packer, Segment
+from specd.turns import Pending, Turns
 
 Logits = tuple[torch.Tensor, float]  # ([num_logits, V] float32, forward ms)
 
@@ -91,15 +91,13 @@ class StepBatcher:
         observe: Callable[[int, float], None] | None = None,
         max_wait_s: float = 0.0,
     ):
-        self._submit = submit
         self._packer = packer
         self._max_batch = max_batch
         self._observe = observe
-        self._recent = RecentSessions(max_wait_s, max_batch)
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._pending: collections.deque[_Active] = collections.deque()
         self._active: list[_Active] = []  # the model thread's alone
-        self._scheduled = False
+        self._turns = Turns(submit, self._turn, self._pending_sessions, self._refuse, max_batch, max_wait_s)
 
     def start(self, make_job: Callable[[], Job], session: Hashable) -> concurrent.futures.Future:
         """Run the job `make_job()` makes (on the model thread) in the next turns; the future
@@ -107,42 +105,30 @@ class StepBatcher:
         entry = _Active(make_job, session, concurrent.futures.Future())
         with self._lock:
             self._pending.append(entry)
-            schedule = not self._scheduled
-            self._scheduled = True
-            self._lock.notify()
-        if schedule:
-            self._schedule()
+        self._turns.poke()
         return entry.future
 
-    def _schedule(self) -> None:
-        try:
-            self._submit(self._turn)
-        except RuntimeError as exc:  # the model thread is shutting down: calls fail, not hang
-            with self._lock:
-                failed, self._pending = list(self._pending), collections.deque()
-                self._scheduled = False
-            for entry in failed:
-                if entry.future.set_running_or_notify_cancel():
-                    entry.future.set_exception(exc)
+    def _pending_sessions(self) -> Pending:
+        with self._lock:
+            return {entry.session for entry in self._pending}, bool(self._active)
+
+    def _refuse(self, exc: BaseException) -> None:
+        with self._lock:
+            failed, self._pending = list(self._pending), collections.deque()
+        for entry in failed:
+            if entry.future.set_running_or_notify_cancel():
+                entry.future.set_exception(exc)
 
     def _turn(self) -> None:
         """On the model thread: admit new jobs, run one step of every active job."""
-        if not self._active:
-            self._recent.wait(self._lock, lambda: {entry.session for entry in self._pending})
         self._admit()
-        if self._active:
-            self._advance(self._active)
-            self._active = [entry for entry in self._active if not entry.future.done()]
-        with self._lock:
-            again = bool(self._active or self._pending)
-            self._scheduled = again
-        if again:
-            self._schedule()
+        served, forward_s = self._advance(self._active)
+        self._active = [entry for entry in self._active if not entry.future.done()]
+        self._turns.done(served, forward_s)
 
     def forget(self, session: Hashable) -> None:
         """The session ended: the next turns do not wait for it."""
-        with self._lock:
-            self._recent.forget(session)
+        self._turns.forget(session)
 
     def _admit(self) -> None:
         """Pending jobs whose session has no active job, oldest first, up to the cap: each
@@ -166,23 +152,24 @@ class StepBatcher:
             self._active.append(entry)
             self._resume(entry, None)
 
-    def _advance(self, active: list[_Active]) -> None:
+    def _advance(self, active: list[_Active]) -> tuple[list[Hashable], float | None]:
+        """One forward of every job's next step; the sessions it served and its seconds."""
         ready = [entry for entry in active if entry.step is not None]
         if not ready:
-            return
+            return [], None
         started = time.perf_counter()
         try:
             results = forward_steps([entry.step for entry in ready], self._packer)
         except BaseException as exc:  # noqa: BLE001 - every job of the forward reports it
             for entry in ready:
                 self._fail(entry, exc)
-            return
-        with self._lock:
-            self._recent.served([entry.session for entry in ready], time.perf_counter() - started)
+            return [], None
+        forward_s = time.perf_counter() - started
         if self._observe is not None:
             self._observe(len(ready), results[0][1])
         for entry, logits in zip(ready, results):
             self._resume(entry, logits)
+        return [entry.session for entry in ready], forward_s
 
     def _resume(self, entry: _Active, logits: Logits | None) -> None:
         """Give a job its step's logits (None: start it); keep its next step or settle it."""
