@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from opentelemetry import trace
 
 from coordinator.admission import Admission, Place, running_limit
-from coordinator.load import SpeculationLoad
+from coordinator.load import UNLIMITED, SpeculationLoad
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait
 from coordinator.output import Chunk, Finish, RequestOutput, settle_text
@@ -24,7 +24,8 @@ from coordinator.round_trace import RoundTrace, llm_request, llm_request_stream,
 from coordinator.stats import RequestStats
 from coordinator.text import TextAssembler
 from coordinator.workers import DraftLink, TargetLink
-from specd.modes import AUTO, OFF, SSD
+from specd.modes import AUTO, OFF, SD, SSD
+from specd.sampling import SamplingSettings
 from specd.serving import ModelLoading, abort_on_error
 from specd.telemetry import get_tracer, trace_id_hex
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -114,11 +115,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _generation(self, request: ResolvedRequest) -> Generation:
         """The request's state for its rounds, in the mode it runs."""
         facts = self._ready_facts()
+        mode = self._run_mode(request.mode)
         return Generation(
             session_id=uuid.uuid4().hex,
             committed=list(request.prompt_ids),
             sampling=request.sampling,
-            mode=self._run_mode(request.mode),
+            mode=mode,
             num_speculative_tokens=request.num_speculative_tokens,
             max_support=self.config.max_support,
             return_logprobs=request.return_logprobs,
@@ -126,8 +128,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=frozenset() if request.ignore_eos else facts.eos_token_ids,
             trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
             draft_wait=DraftWait(self.config.draft_wait_verifies, self.config.draft_wait_min_ms),
-            load=SpeculationLoad(self.config.speculation_max_running, lambda: self.admission.running),
+            load=self._load(mode, request.sampling),
         )
+
+    def _load(self, mode: str, sampling: SamplingSettings) -> SpeculationLoad:
+        """How a request speculates under load (coordinator/load.py). A seeded sampled sd request
+        keeps its K at any load: which positions it drafts is part of what makes its output
+        reproducible (README, "Calling Generate"). Greedy output does not depend on K, and ssd's
+        already depends on timing."""
+        if mode == SD and not sampling.greedy:
+            return UNLIMITED
+        return SpeculationLoad(self.config.speculation_max_running, lambda: self.admission.running)
 
     def _rounds(self, gen: Generation) -> AsyncIterator[RoundResult]:
         """The request's round loop: ssd, or sd (which also runs target-only rounds)."""

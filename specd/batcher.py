@@ -66,13 +66,15 @@ class Batcher:
 
     def _drain(self) -> None:
         """On the model thread: one batch of what is pending."""
-        batch = self._take()
-        forward_s = None
-        if batch:
-            started = time.perf_counter()
-            self._run(batch)
-            forward_s = time.perf_counter() - started
-        self._turns.done([self._session_of(item) for _, item in batch], forward_s)
+        batch, forward_s = [], None
+        try:
+            batch = self._take()
+            if batch:
+                started = time.perf_counter()
+                self._run(batch)
+                forward_s = time.perf_counter() - started
+        finally:  # the next turn is never lost
+            self._turns.done([self._session_of(item) for _, item in batch], forward_s)
 
     def forget(self, session: Hashable) -> None:
         """The session ended: the next batches do not wait for it."""

@@ -121,10 +121,13 @@ class StepBatcher:
 
     def _turn(self) -> None:
         """On the model thread: admit new jobs, run one step of every active job."""
-        self._admit()
-        served, forward_s = self._advance(self._active)
-        self._active = [entry for entry in self._active if not entry.future.done()]
-        self._turns.done(served, forward_s)
+        served, forward_s = [], None
+        try:
+            self._admit()
+            served, forward_s = self._advance(self._active)
+            self._active = [entry for entry in self._active if not entry.future.done()]
+        finally:  # the next turn is never lost
+            self._turns.done(served, forward_s)
 
     def forget(self, session: Hashable) -> None:
         """The session ended: the next turns do not wait for it."""

@@ -86,3 +86,16 @@ def test_speculation_resumes_when_the_load_falls(loaded_stack, reference):
     assert stats.rounds < NEW - 6  # the rounds after the first six took more than one token each
     assert stats.mode == pb.SPECULATION_MODE_SD and stats.draft_tokens > 0 and not stats.fallback_reason
     assert_greedy_equal_or_near_tie(model, PROMPT, tokens, want)
+
+
+def test_a_seeded_sampled_sd_request_keeps_its_k_and_its_output_under_load(loaded_stack):
+    """Which positions a sampled sd request drafts decides its output for a seed: load must not
+    change it, or the seed would not reproduce the output."""
+    stack, forced = loaded_stack
+    message = request(PROMPT, k=K, max_new_tokens=NEW, temperature=1.0, seed=42)
+    forced[0] = 1
+    quiet = stack.stub().Generate(message, timeout=CALL_TIMEOUT_S)
+    forced[0] = 3
+    busy = stack.stub().Generate(message, timeout=CALL_TIMEOUT_S)
+    assert busy.stats.mode == pb.SPECULATION_MODE_SD and busy.stats.draft_tokens == quiet.stats.draft_tokens > 0
+    assert list(busy.token_ids) == list(quiet.token_ids)
