@@ -77,7 +77,14 @@ class Batcher:
             self._turns.done([self._session_of(item) for _, item in batch], forward_s)
 
     def forget(self, session: Hashable) -> None:
-        """The session ended: the next batches do not wait for it."""
+        """The session ended (EndSession): its calls still pending are cancelled, since running
+        them would only open the session again, to be held until the idle timeout; and the
+        next batches do not wait for it."""
+        with self._lock:
+            dropped = [entry for entry in self._pending if self._session_of(entry[1]) == session]
+            self._pending = collections.deque(entry for entry in self._pending if self._session_of(entry[1]) != session)
+        for future, _ in dropped:
+            future.cancel()
         self._turns.forget(session)
 
     def _take(self) -> list[tuple[concurrent.futures.Future, object]]:

@@ -8,7 +8,6 @@ the prefix) and reports what still has to be fed to the model.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
@@ -88,13 +87,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class SessionStore:
     """Sessions by id, with an idle timeout and a cap; safe to call from any thread."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, remember_ended: int = 16384):
+    def __init__(self, max_sessions: int, idle_timeout_s: float):
         self._sessions: dict[str, Session] = {}
-        # Ended sessions, newest last: a call that reaches the worker after its session's
-        # EndSession (calls travel independently) must not open the session again and hold it
-        # until the idle timeout. The coordinator never reuses a session id.
-        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._remember_ended = remember_ended
         self._lock = threading.Lock()
         self._max_sessions = max_sessions
         self._idle_timeout_s = idle_timeout_s
@@ -104,8 +98,6 @@ class SessionStore:
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
-                if session_id in self._ended:
-                    raise SessionNotFound(f"session {session_id!r} has ended on this worker")
                 if start != 0:
                     raise SessionNotFound(
                         f"session {session_id!r} is not on this worker; resend from position 0"
@@ -123,14 +115,8 @@ class SessionStore:
     def max_sessions(self) -> int:
         return self._max_sessions
 
-    def end(self, session_id: str, for_good: bool = False) -> bool:
-        """Drop the session; `for_good` (its EndSession): no later call opens it again."""
+    def end(self, session_id: str) -> bool:
         with self._lock:
-            if for_good:
-                self._ended[session_id] = None
-                self._ended.move_to_end(session_id)
-                while len(self._ended) > self._remember_ended:
-                    self._ended.popitem(last=False)
             return self._sessions.pop(session_id, None) is not None
 
     def expire_idle(self) -> list[str]:

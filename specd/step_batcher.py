@@ -130,7 +130,14 @@ class StepBatcher:
             self._turns.done(served, forward_s)
 
     def forget(self, session: Hashable) -> None:
-        """The session ended: the next turns do not wait for it."""
+        """The session ended (EndSession): its jobs not yet started are cancelled, since starting
+        them would only open the session again, to be held until the idle timeout (a job under
+        way holds the session object, not the store's entry); and the next turns do not wait for it."""
+        with self._lock:
+            dropped = [entry for entry in self._pending if entry.session == session]
+            self._pending = collections.deque(entry for entry in self._pending if entry.session != session)
+        for entry in dropped:
+            entry.future.cancel()
         self._turns.forget(session)
 
     def _admit(self) -> None:

@@ -170,8 +170,7 @@ class TargetModelRunner:
         )
 
     def end_session(self, session_id: str) -> bool:
-        """EndSession: the session is dropped, and a call that arrives after it opens nothing."""
-        return self.sessions.end(session_id, for_good=True)
+        return self.sessions.end(session_id)
 
     def expire_idle(self) -> list[str]:
         return self.sessions.expire_idle()

@@ -49,9 +49,9 @@ def follow(config: TargetConfig, job: Job) -> None:
         if name == SHUTDOWN:
             log.info("rank %d: shutdown from rank 0", job.rank)
             return
-        if name == END_SESSIONS:  # rank 0's idle expiry: the same sessions go here (they may come back)
+        if name == END_SESSIONS:
             for session_id in args[0]:
-                runner.sessions.end(session_id)
+                runner.end_session(session_id)
             continue
         if name not in RUNNER_METHODS:
             raise RankFailure(f"rank {job.rank}: unknown command {name!r}")

@@ -284,3 +284,31 @@ def test_a_batch_waits_briefly_for_the_sessions_of_the_last_one():
     assert third[0].result(5) == "a3"
     model_thread.shutdown()
     assert batches == [["a1", "b1", "c1"], ["a2", "b2", "c2"], ["a3"]]
+
+
+def test_an_ended_session_s_queued_calls_never_run():
+    """A call still queued when its session's EndSession comes would open the session again."""
+    model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    ran: list[str] = []
+    batcher = Batcher(model_thread.submit, lambda items: ran.extend(items) or items, lambda item: item[0], max_batch=4)
+    gate = threading.Event()
+    model_thread.submit(gate.wait, 5)
+    late, other = batcher.submit("a1"), batcher.submit("b1")
+    batcher.forget("a")  # EndSession of a, while a1 waits for the model thread
+    gate.set()
+    assert other.result(5) == "b1" and late.cancelled() and ran == ["b1"]
+    model_thread.shutdown()
+
+
+def test_an_ended_session_s_jobs_not_yet_started_never_start(draft_runner):
+    model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    steps = StepBatcher(model_thread.submit, draft_runner.packer, 4)
+    gate = threading.Event()
+    model_thread.submit(gate.wait, 5)
+    sampling = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    late = steps.start(lambda: draft_runner.propose_job("ended", 0, [5, 6, 7], 2, sampling, 0), "ended")
+    steps.forget("ended")
+    gate.set()
+    model_thread.submit(lambda: None).result(5)  # the turns after it have run
+    assert late.cancelled() and "ended" not in draft_runner.sessions
+    model_thread.shutdown()

@@ -145,22 +145,3 @@ def test_store_idle_expiry():
     time.sleep(0.25)
     assert store.expire_idle() == ["busy"]
     assert len(store) == 0
-
-
-def test_an_ended_session_is_not_opened_again_by_a_late_call():
-    """A Propose that reaches the worker after its session's EndSession (calls travel apart)
-    would open the session afresh at position 0 and hold it until the idle timeout."""
-    from specd.session_cache import SessionNotFound, SessionStore
-
-    store = SessionStore(max_sessions=4, idle_timeout_s=60.0, remember_ended=2)
-    store.open("a", 0)
-    assert store.end("a", for_good=True)
-    with pytest.raises(SessionNotFound, match="has ended"):
-        store.open("a", 0)
-    assert len(store) == 0
-    store.open("b", 0)
-    store.end("b")  # dropped (an expiry, a test): may be sent again from position 0
-    store.open("b", 0)
-    for name in ("c", "d"):  # the oldest ended ids are forgotten past the bound
-        store.end(name, for_good=True)
-    store.open("a", 0)

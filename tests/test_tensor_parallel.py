@@ -33,6 +33,7 @@ from coordinator.server import start_coordinator
 from specd.sampling import SamplingSettings, SparseDist
 from specd.v1 import common_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
+from target_service.runner import PrefillCall, VerifyCall
 from target_service.config import TargetConfig
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, load_reference, request
 from tests.stack import ServiceStack
@@ -75,7 +76,16 @@ def _runner_script(runner) -> None:
     runner.prefill("c", 0, [9, 8, 7, 6, 5])  # ... then "c" comes: only "a" and "b" expire
     assert sorted(runner.expire_idle()) == ["a", "b"]
     runner.prefill("a", 0, committed)  # a fresh "a" on every rank
-    runner.verify("a", len(committed) - 1, committed[-1:], [2, 2, 2], [], greedy, True)
+    last = runner.verify("a", len(committed) - 1, committed[-1:], [2, 2, 2], [], greedy, True)
+    committed += [2, 2, 2][: last.accepted] + [last.next_token]
+    # Two verifies and a prefill of three sessions in one packed forward, on every rank alike
+    # (the sessions' cached tokens, compared below, follow each verify's outcome).
+    batch = runner.run_batch([
+        VerifyCall("a", len(committed) - 1, committed[-1:], [7, 7], [], greedy, True),
+        PrefillCall("d", 0, [3, 1, 4, 1, 5]),
+        VerifyCall("c", 0, [9, 8, 7, 6, 5], [1], [], greedy, False),
+    ])
+    assert not any(isinstance(outcome, BaseException) for outcome in batch), batch
     assert runner.end_session("c")
 
 
