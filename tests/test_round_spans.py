@@ -162,3 +162,56 @@ def test_rounds_sent_ahead_overlap_in_the_picture(ssd_ahead, tmp_path):
     assert "mode ssd" in draw(spans, tmp_path / "t.png")
     labels = [h.get_label() for h in _legend(as_stored, 0, 0)]
     assert any("alternate rows" in label for label in labels)
+
+
+def test_rounds_begun_ahead_keep_their_calls_and_fold_past_the_cap():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from coordinator.round_trace import RoundTrace
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+
+    def call(index: int) -> None:
+        with tracer.start_as_current_span("worker_call", attributes={"for_round": index}):
+            pass
+
+    with tracer.start_as_current_span("llm_request"):
+        rounds = RoundTrace(tracer, max_round_spans=2)
+        for index in range(4):  # each round starts the next one's work before it ends
+            with rounds.round(index) as span:
+                call(index)
+                with rounds.ahead(index + 1):
+                    call(index + 1)
+                span.record(accepted=1)
+        rounds.close()
+    spans = exporter.get_finished_spans()
+    own = {s.context.span_id: s for s in spans if s.name in ("spec_round", "spec_rounds", "spec_round_unused")}
+    (ran_0, ran_1) = sorted((s for s in own.values() if s.name == "spec_round"), key=lambda s: s.start_time)
+    assert [ran_0.attributes["specd.round.index"], ran_1.attributes["specd.round.index"]] == [0, 1]
+    assert ran_1.start_time < ran_0.end_time  # round 1 began when its work did
+    # Groups of two: rounds 2 and 3 ran; round 4 was begun (its work went out), never ran.
+    summaries = sorted((s for s in own.values() if s.name == "spec_rounds"), key=lambda s: s.start_time)
+    assert [(s.attributes["specd.rounds.first_index"], s.attributes["specd.rounds.rounds"]) for s in summaries] == [(2, 2), (4, 0)]
+    assert summaries[0].attributes["specd.rounds.accepted"] == 2
+    assert not [s for s in own.values() if s.name == "spec_round_unused"]  # round 4 was folded
+    parents = {0: ran_0, 1: ran_1, 2: summaries[0], 3: summaries[0], 4: summaries[1]}
+    for worker_call in (s for s in spans if s.name == "worker_call"):
+        assert own[worker_call.parent.span_id] is parents[worker_call.attributes["for_round"]]
+
+    exporter.clear()
+    with tracer.start_as_current_span("llm_request"):
+        rounds = RoundTrace(tracer)
+        with rounds.round(0):
+            with rounds.ahead(1):
+                call(1)
+        rounds.close()
+        rounds.close()  # idempotent
+    (unused,) = [s for s in exporter.get_finished_spans() if s.name == "spec_round_unused"]
+    assert unused.attributes["specd.round.index"] == 1
+    (worker_call,) = [s for s in exporter.get_finished_spans() if s.name == "worker_call"]
+    assert worker_call.parent.span_id == unused.context.span_id
