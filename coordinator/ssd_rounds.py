@@ -34,12 +34,13 @@ from typing import AsyncIterator
 from coordinator.backup import draft_after_miss
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation, RoundResult
-from coordinator.speculation_cache import Draft, Outcome
+from coordinator.speculation_cache import Draft
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.ssd_speculator import MISS_NO_SPECULATION, MISS_UNCOVERED, Speculation, Speculator
 from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
 from coordinator.workers import DraftFailed, DraftLink, TargetLink
 from specd.modes import OFF, SSD
+from specd.outcomes import Outcome, outcome_of
 from specd.v1 import target_pb2
 
 _NO_DRAFT = Draft([], [])
@@ -78,7 +79,7 @@ class Verified:
 
     @property
     def outcome(self) -> Outcome:
-        return self.response.accepted, self.response.next_token
+        return outcome_of(self.response)
 
 
 @dataclasses.dataclass(frozen=True)

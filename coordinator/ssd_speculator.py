@@ -24,10 +24,11 @@ import time
 
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation
-from coordinator.speculation_cache import Outcome, SpeculationCache
+from coordinator.speculation_cache import SpeculationCache
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.verify_ahead import VerifyAhead
 from coordinator.workers import DraftFailed, DraftLink
+from specd.outcomes import Outcome
 from specd.v1 import draft_pb2
 from specd.wire import sampling_to_proto
 
