@@ -218,7 +218,7 @@ class _Group:
     span: trace.Span
     totals: dict
     begun: int = 0  # rounds assigned to it (at most max_round_spans)
-    settled: int = 0  # of those, rounds that ended or will not run
+    settled: int = 0  # of those, rounds that have ended
 
 
 class RoundTrace:
@@ -312,7 +312,7 @@ class RoundTrace:
         begun ahead that never ran (the request ended on another outcome than the one its
         verify went ahead for), renamed so that `spec_round` spans stay the rounds that ran.
         Safe to repeat."""
-        for index, (round_span, group) in sorted(self._open.items()):
+        for round_span, group in self._open.values():
             if group is None and round_span.span.is_recording():
                 round_span.span.update_name(UNUSED_ROUND)
                 round_span.span.end()
