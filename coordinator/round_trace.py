@@ -5,14 +5,20 @@
     │   ├── Propose  CLIENT → DraftWorker/Propose SERVER → spec_propose
     │   └── Verify   CLIENT → TargetWorker/Verify SERVER → spec_verify
     ├── ...
-    └── spec_rounds (rounds 64-127)  past max_round_spans: one summary span per group of
-        └── ...                      max_round_spans rounds, parent of their worker calls
+    ├── spec_rounds (rounds 64-127)  past max_round_spans: one summary span per group of
+    │   └── ...                      max_round_spans rounds, parent of their worker calls
+    └── spec_round_unused (index n)  ssd: a round whose work started ahead, never run
 
 Use from a round loop (sd_rounds, ssd_rounds):
 
     with gen.trace.round(index) as span:     # the round's worker calls become its children
         ...
         span.record(result)                  # a RoundResult (ssd: hit, branches, backup too)
+
+and, for work a later round starts before it runs (ssd: verifies sent ahead, early Speculates):
+
+    with gen.trace.ahead(index + 1):         # calls and tasks started here: that round's
+        ...
 
 Nothing here costs more than a few attribute checks when spans are not recorded.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import AsyncIterator, Callable, Iterator
 
 import grpc
@@ -32,6 +39,8 @@ from specd.telemetry import context_from_metadata, trace_id_hex
 
 DEFAULT_MAX_ROUND_SPANS = 64
 FINISH_REASONS = {1: "stop", 2: "length"}
+# A round begun ahead (ssd) that never ran: its calls were for an outcome that did not come.
+UNUSED_ROUND = "spec_round_unused"
 
 
 def _start_llm_request(tracer: trace.Tracer, grpc_context, method: str) -> trace.Span:
@@ -202,52 +211,111 @@ def _fold(summary: dict, values: dict) -> None:
     summary["cache_misses"] += values.get("cache") == "miss"
 
 
+@dataclasses.dataclass
+class _Group:
+    """A `spec_rounds` summary span and the rounds folded into it."""
+
+    span: trace.Span
+    totals: dict
+    begun: int = 0  # rounds assigned to it (at most max_round_spans)
+    settled: int = 0  # of those, rounds that have ended
+
+
 class RoundTrace:
-    """One request's round spans; create it while `llm_request` is the current span."""
+    """One request's round spans; create it while `llm_request` is the current span.
+
+    A round's span starts when its first worker call does. In ssd that can be before the
+    previous round has ended (its verify sent ahead, its Speculate started early: ahead()),
+    so round spans may overlap in time; round() then runs the round in the span already open.
+    """
 
     def __init__(self, tracer: trace.Tracer | None = None, max_round_spans: int = DEFAULT_MAX_ROUND_SPANS):
         self._tracer = tracer or trace.NoOpTracer()
         self._parent = trace.set_span_in_context(trace.get_current_span())
         self._max = max(0, max_round_spans)
         self._rounds = 0
-        self._summary_span: trace.Span | None = None
-        self._summary: dict = {}
+        self._open: dict[int, tuple[RoundSpan, _Group | None]] = {}  # begun, not yet run
+        self._group: _Group | None = None  # the summary taking new rounds
+        self._groups: list[_Group] = []  # summaries not yet ended
+
+    def _begin(self, index: int) -> tuple[RoundSpan, _Group | None]:
+        """Round `index`'s span, started now unless it already was (not made current)."""
+        if index in self._open:
+            return self._open[index]
+        self._rounds += 1
+        if self._rounds <= self._max or not self._tracer_records():
+            span = self._tracer.start_span("spec_round", context=self._parent)
+            if span.is_recording():
+                span.set_attribute("specd.round.index", index)
+            opened = RoundSpan(span, index, None), None
+        else:
+            group = self._group_for(index)
+            opened = RoundSpan(group.span, index, group.totals), group
+        self._open[index] = opened
+        return opened
+
+    @contextlib.contextmanager
+    def ahead(self, index: int) -> Iterator[None]:
+        """Round `index`'s span current while its work starts before it runs (calls made in
+        here, tasks created in here, are its children); the span stays open for round()."""
+        span = self._begin(index)[0].span
+        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            yield
 
     @contextlib.contextmanager
     def round(self, index: int) -> Iterator[RoundSpan]:
-        """The span of round `index`, current while the round's worker calls are made."""
-        self._rounds += 1
-        if self._rounds <= self._max or not self._tracer_records():
-            with self._tracer.start_as_current_span("spec_round", context=self._parent) as span:
-                if span.is_recording():
-                    span.set_attribute("specd.round.index", index)
-                yield RoundSpan(span, index, None)
+        """The span of round `index` (begun now, or by ahead()), current while the round's
+        worker calls are made; ended when the round is."""
+        round_span, group = self._begin(index)
+        del self._open[index]
+        if group is None:
+            with trace.use_span(round_span.span, end_on_exit=True):
+                yield round_span
             return
-        summary_span = self._summary_for(index)
-        with trace.use_span(summary_span, end_on_exit=False):
-            yield RoundSpan(summary_span, index, self._summary)
-        self._summary["rounds"] += 1
-        self._summary["last_index"] = index
-        if self._summary["rounds"] >= max(self._max, 1):
-            self._end_summary()
+        with trace.use_span(group.span, end_on_exit=False):
+            yield round_span
+        group.totals["rounds"] += 1
+        group.totals["first_index"] = min(group.totals["first_index"], index)
+        group.totals["last_index"] = max(group.totals["last_index"], index)
+        self._settle(group)
 
     def _tracer_records(self) -> bool:
         return trace.get_current_span(self._parent).is_recording()
 
-    def _summary_for(self, index: int) -> trace.Span:
-        if self._summary_span is None:
-            self._summary_span = self._tracer.start_span("spec_rounds", context=self._parent)
-            self._summary = dict.fromkeys(_TOTALS, 0) | {"rounds": 0, "first_index": index, "last_index": index}
-        return self._summary_span
+    def _group_for(self, index: int) -> _Group:
+        """The summary a round begun now folds into: the open one, or a new one once it is full."""
+        if self._group is None or self._group.begun >= max(self._max, 1):
+            span = self._tracer.start_span("spec_rounds", context=self._parent)
+            totals = dict.fromkeys(_TOTALS, 0) | {"rounds": 0, "first_index": index, "last_index": index}
+            self._group = _Group(span, totals)
+            self._groups.append(self._group)
+        self._group.begun += 1
+        return self._group
 
-    def _end_summary(self) -> None:
-        if self._summary_span is None:
+    def _settle(self, group: _Group) -> None:
+        """One more of the group's rounds is over: end its span once all of a full group are."""
+        group.settled += 1
+        if group.settled >= group.begun >= max(self._max, 1):
+            self._end_group(group)
+
+    def _end_group(self, group: _Group) -> None:
+        if group not in self._groups:
             return
-        s = self._summary
-        self._summary_span.set_attributes({f"specd.rounds.{k}": v for k, v in s.items()})
-        self._summary_span.end()
-        self._summary_span = None
+        self._groups.remove(group)
+        if group is self._group:
+            self._group = None
+        group.span.set_attributes({f"specd.rounds.{k}": v for k, v in group.totals.items()})
+        group.span.end()
 
     def close(self) -> None:
-        """End a summary span still open (the request finished mid-group); safe to repeat."""
-        self._end_summary()
+        """End what is still open: a summary (the request finished mid-group), and a round
+        begun ahead that never ran (the request ended on another outcome than the one its
+        verify went ahead for), renamed so that `spec_round` spans stay the rounds that ran.
+        Safe to repeat."""
+        for round_span, group in self._open.values():
+            if group is None and round_span.span.is_recording():
+                round_span.span.update_name(UNUSED_ROUND)
+                round_span.span.end()
+        self._open.clear()
+        for group in list(self._groups):
+            self._end_group(group)

@@ -10,8 +10,11 @@ One round (ssd_round) reads as the paper's step:
 - LOOK UP: Verify(T)'s outcome (k, t*) in the cache (coordinator/speculation_cache.py): a hit
   is round T+1's draft, ready with no draft call on the critical path; a miss says why. On a
   hit sent ahead, round T+1 is on the target already: the loop starts the Speculate beside it
-  before handing round T's tokens to the caller (such a round's worker calls are children of
-  round T's span).
+  before handing round T's tokens to the caller.
+A round's worker calls are children of its own `spec_round` span, whenever they start: work
+started for round T+1 during round T (its verifies sent ahead, its Speculate started early or
+on a hit sent ahead) opens round T+1's span then (RoundTrace.ahead), and round T+1 runs in it.
+Round spans may so overlap in time, as the rounds do.
 Every Speculate and Propose carries the committed tail, so the draft's KV cache follows the
 committed tokens whichever branch won. A draft failure turns the rounds target-only until the
 draft is back, as in sd.
@@ -31,12 +34,13 @@ from typing import AsyncIterator
 from coordinator.backup import draft_after_miss
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation, RoundResult
-from coordinator.speculation_cache import Draft, Outcome
+from coordinator.speculation_cache import Draft
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.ssd_speculator import MISS_NO_SPECULATION, MISS_UNCOVERED, Speculation, Speculator
 from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
 from coordinator.workers import DraftFailed, DraftLink, TargetLink
 from specd.modes import OFF, SSD
+from specd.outcomes import Outcome, outcome_of
 from specd.v1 import target_pb2
 
 _NO_DRAFT = Draft([], [])
@@ -75,7 +79,7 @@ class Verified:
 
     @property
     def outcome(self) -> Outcome:
-        return self.response.accepted, self.response.next_token
+        return outcome_of(self.response)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +148,7 @@ class SsdRequest:
         # Speculate only if another round may follow this one (k = 0 commits one token).
         speculation = None
         if drafted.speculates and self.remaining > 1 and self._sizing.budget:
-            speculation = self._speculator.beside(gen.committed, draft.tokens)
+            speculation = self._speculator.beside(index, gen.committed, draft.tokens)
         self._beside = speculation
         return Speculated(drafted, verify, speculation)
 
@@ -208,23 +212,28 @@ class SsdRequest:
             return Lookup(at, None, MISS_UNCOVERED, "", wait_ms, cache.forward_ms)
         return Lookup(at, found.draft(), "", "", wait_ms, cache.forward_ms)
 
-    def start_next(self, verified: Verified, lookup: Lookup) -> None:
-        """Keep round T+1's lookup; on a hit sent ahead, round T+1 is on the target already:
-        start the Speculate beside it now, before the caller takes round T's tokens."""
+    def start_next(self, index: int, verified: Verified, lookup: Lookup) -> None:
+        """Keep round `index`'s lookup; on a hit sent ahead, round `index` is on the target
+        already: start the Speculate beside it now, before the caller takes the previous
+        round's tokens, in round `index`'s span."""
         self._lookup = lookup
         sent = self._ahead.take(verified.outcome)  # cancels the call on a miss
         if sent is None:
             self._speculator.discard()
             return
-        committed = self.gen.committed + verified.tokens
+        with self.gen.trace.ahead(index):
+            self._launch = self._launch_ahead(index, sent, self.gen.committed + verified.tokens)
+
+    def _launch_ahead(self, index: int, sent: SentAhead, committed: list[int]) -> _Launch:
+        """Round `index`, its verify sent ahead: wait for its answer, and the Speculate beside it."""
         verify = asyncio.ensure_future(self._ahead.answer(sent, committed))
         # The Speculate started early for this outcome, if it came true; else one starts now,
         # as any round's: if another round may follow and the draft is up (it was a moment ago).
         speculation = self._speculator.adopt(committed, sent.draft.tokens, verify)
         early = speculation is not None
         if not early and self.gen.max_len - len(committed) > 1 and self._draft.info is not None and self._sizing.budget:
-            speculation = self._speculator.beside(committed, sent.draft.tokens)
-        self._launch = _Launch(len(committed), sent, verify, speculation, early)
+            speculation = self._speculator.beside(index, committed, sent.draft.tokens)
+        return _Launch(len(committed), sent, verify, speculation, early)
 
     def result(self, index: int, round: Speculated, verified: Verified, lookup: Lookup) -> RoundResult:
         drafted, response = round.drafted, verified.response
@@ -261,12 +270,13 @@ class SsdRequest:
 
 
 async def ssd_round(request: SsdRequest, index: int) -> RoundResult:
-    """Round `index`: SPECULATE, VERIFY, LOOK UP; its worker calls are children of its span."""
+    """Round `index`: SPECULATE, VERIFY, LOOK UP, in its span (opened already if its work
+    started during the previous round); work for the next round opens that one's span."""
     with request.gen.trace.round(index) as span:
         speculated = await request.speculate(index)
         verified = await request.verify(speculated)
         lookup = await request.look_up(speculated, verified)
-        request.start_next(verified, lookup)
+        request.start_next(index + 1, verified, lookup)
         result = request.result(index, speculated, verified, lookup)
         span.record(result)
     return result

@@ -4,7 +4,8 @@
   (k, t*) - F_k guesses per k under the budget (coordinator/ssd_sizing.py) - and drafts K'
   tokens after each (draft_service/speculation.py).
 - send_ahead(): the cache is in while Verify(T) still runs: round T+1's verify for each cached
-  outcome goes to the target at once (coordinator/verify_ahead.py), and, with
+  outcome goes to the target at once (coordinator/verify_ahead.py), in round T+1's span
+  (opened then: RoundTrace.ahead), and, with
   config.ssd_speculate_early, Speculate(T+1) starts for Verify(T)'s likeliest outcome (early):
   on a hit sent ahead the target runs round T+1 straight after round T, and a tree started only
   after two more trips would arrive after Verify(T+1). adopt() takes that early Speculate as
@@ -23,10 +24,11 @@ import time
 
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation
-from coordinator.speculation_cache import Outcome, SpeculationCache
+from coordinator.speculation_cache import SpeculationCache
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.verify_ahead import VerifyAhead
 from coordinator.workers import DraftFailed, DraftLink
+from specd.outcomes import Outcome
 from specd.v1 import draft_pb2
 from specd.wire import sampling_to_proto
 
@@ -48,9 +50,10 @@ def saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> dr
 
 @dataclasses.dataclass
 class Speculation:
-    """A Speculate call in flight beside the verify of `verifying` after `committed`: the cache
-    for the round after that verify's."""
+    """A Speculate call in flight beside the verify of `verifying` after `committed` (round
+    `index`'s): the cache for the round after it."""
 
+    index: int  # the round it runs beside; its call is a child of that round's span
     task: asyncio.Future  # -> SpeculationCache
     guesses: asyncio.Future  # -> the outcomes (k, t*) the cache will hold
     branches: int
@@ -78,8 +81,9 @@ class Speculator:
         self.ahead = ahead
         self._early: tuple[Speculation, int] | None = None  # and len(committed) the draft surely holds
 
-    def beside(self, committed: list[int], verifying: list[int]) -> Speculation:
-        """Start Speculate beside the verify of `verifying` after `committed`."""
+    def beside(self, index: int, committed: list[int], verifying: list[int]) -> Speculation:
+        """Start Speculate beside round `index`'s verify, of `verifying` after `committed`,
+        in the current span (the caller's: that round's)."""
         gen, sizing, config = self._gen, self._sizing, self._config
         vocab = self._draft.info.vocab_size
         fanout = sizing.fanout(len(verifying), vocab, config.ssd_fanout_r)
@@ -95,7 +99,7 @@ class Speculator:
         guesses = asyncio.get_running_loop().create_future()
         committed = list(committed)  # as it stands now: the caller's list grows when this round commits
         task = asyncio.ensure_future(self._draft.speculate(gen.draft_session, committed, request, guesses))
-        return Speculation(task, guesses, sum(fanout), sizing.k, time.perf_counter(), committed, list(verifying))
+        return Speculation(index, task, guesses, sum(fanout), sizing.k, time.perf_counter(), committed, list(verifying))
 
     async def send_ahead_once_built(self, speculation: Speculation, verify: asyncio.Future) -> None:
         """Wait for `verify` or the cache beside it, whichever comes first; a cache first goes
@@ -114,8 +118,9 @@ class Speculator:
             return
         speculation.sent_ahead = True
         cache, max_k = task.result(), speculation.num_tokens
-        self.ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
-        self._speculate_early(speculation, cache)
+        with self._gen.trace.ahead(speculation.index + 1):  # what it starts is the next round's work
+            self.ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
+            self._speculate_early(speculation, cache)
 
     def _speculate_early(self, speculation: Speculation, cache: SpeculationCache) -> None:
         """Speculate(T+1) for the likeliest outcome of the verify `speculation` ran beside."""
@@ -132,7 +137,7 @@ class Speculator:
         # As VerifyAhead.send: such an outcome gets a choice, and a round may follow it.
         if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted) or not self._sizing.budget:
             return
-        self._early = (self.beside(committed, entry.tokens[:count]), len(speculation.committed))
+        self._early = (self.beside(speculation.index + 1, committed, entry.tokens[:count]), len(speculation.committed))
 
     def adopt(self, committed: list[int], verifying: list[int], verify: asyncio.Future) -> Speculation | None:
         """The early Speculate, if it speculates beside verifying `verifying` after `committed`

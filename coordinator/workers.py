@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.speculation_cache import SpeculationCache
+from specd.outcomes import guessed_outcomes
 from specd.sampling import SamplingSettings, SparseDist
 from specd.serving import GRPC_OPTIONS, StatusError, Unavailable
 from specd.telemetry import trace_metadata
@@ -374,7 +375,7 @@ class DraftLink:
             async for message in self._stub.Speculate(request, metadata=self._metadata(), timeout=timeout_s):
                 if message.HasField("guesses"):
                     if not guesses.done():
-                        guesses.set_result(set(zip(message.guesses.accepted, message.guesses.next_token)))
+                        guesses.set_result(guessed_outcomes(message.guesses))
                 else:
                     cache = message.cache
             return SpeculationCache.from_wire(cache)

@@ -1,7 +1,8 @@
 """Each session's latest verify outcome, and the verifies sent ahead (VerifyAfter) waiting on it.
 
 A verify is named by its session and the committed tokens it was sent (start + tail); its
-outcome is (k accepted, next token t*). The model thread records an outcome right after its
+outcome is (k accepted, next token t*), the key the coordinator's speculation cache uses too
+(specd/outcomes.py). The model thread records an outcome right after its
 forward and, when a verify sent ahead holds a choice for that outcome, queues that choice for
 the model thread's next batch itself: the next forward starts without a turn of the event
 loop, which on a busy machine waits for a core (the event loop learns of it when the answer
@@ -17,8 +18,7 @@ import dataclasses
 import threading
 from typing import Callable
 
-
-Outcome = tuple[int, int]  # (k, t*)
+from specd.outcomes import Outcome
 
 
 @dataclasses.dataclass

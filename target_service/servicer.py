@@ -9,6 +9,7 @@ import time
 
 from specd.sampling import SamplingSettings, SparseDist
 from specd.batcher import Batcher
+from specd.outcomes import choices_by_outcome
 from specd.serving import InvalidRequest, ModelThread, abort_on_error
 from specd.session_cache import SessionNotFound
 from specd.telemetry import set_specd, worker_span
@@ -112,7 +113,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         """The chosen verify's result once the verify it follows has run; None when nothing ran
         (no choice for its outcome, the session moved on or ended, or the wait's bound passed)."""
         # Checked in full only once chosen, on the model thread (most choices never run).
-        choices = {(c.accepted, c.next_token): c.verify for c in request.choices}
+        choices = choices_by_outcome(request.choices)
         waiter = self._outcomes.expect(request.session_id, request.after, choices)
         answer = asyncio.wrap_future(waiter.answer)
         try:

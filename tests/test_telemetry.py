@@ -20,8 +20,8 @@ from specd import telemetry
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, running_stack
 from tests.stack import slow_verify
+from tests.tracing import ROLES, in_memory_tracing
 
-ROLES = ("coordinator", "target", "draft")
 OTEL_VARS = (
     "OTEL_SERVICE_NAME",
     "OTEL_RESOURCE_ATTRIBUTES",
@@ -44,11 +44,7 @@ def clean_env(monkeypatch):
 @pytest.fixture(scope="module")
 def traced(tiny_pair):
     """The three services, each exporting to its own in-memory exporter."""
-    exporters = {role: InMemorySpanExporter() for role in ROLES}
-    providers = {}
-    for role in ROLES:
-        providers[role] = TracerProvider(resource=telemetry.resource_from_env(telemetry.SERVICE_NAMES[role]))
-        providers[role].add_span_processor(SimpleSpanProcessor(exporters[role]))
+    providers, exporters = in_memory_tracing()
     with running_stack(*tiny_pair, tracer_providers=providers) as stack:
         yield stack, exporters
 

@@ -22,6 +22,7 @@ LANES = ("rounds", "target", "draft", "overlap")
 COLORS = {
     "spec_round": ("#4c72b0", "#8fa8d6"),
     "spec_rounds": ("#9e9e9e", "#9e9e9e"),
+    "spec_round_unused": "#c8c8c8",
     "spec_verify": "#dd8452",
     "prefill": "#937860",
     "spec_propose": "#55a868",
@@ -132,7 +133,7 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     roots = [s for s in spans if s["name"] == "llm_request"]
     root = roots[0] if roots else min(spans, key=lambda s: s["start_ns"])
     timeline = _Timeline(root["start_ns"])
-    rounds = sorted((s for s in spans if s["name"] in ("spec_round", "spec_rounds")), key=lambda s: s["start_ns"])
+    rounds = sorted((s for s in spans if s["name"] in ROUND_SPANS), key=lambda s: s["start_ns"])
     verify = _intervals(spans, ("spec_verify",))
     if not verify:  # a target without spec_verify spans: its Verify server spans
         verify = sorted((s["start_ns"], s["end_ns"]) for s in spans if s["kind"] == "SERVER" and s["name"].endswith("/Verify"))
@@ -142,7 +143,8 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
     fig, ax = plt.subplots(figsize=(width, 3.4), dpi=120)
     hits, misses = _draw_rounds(ax, rounds, timeline)
     _draw_worker_lanes(ax, spans, verify, overlap, timeline)
-    summary = _summary(root, rounds, verify, overlap, hits, misses, timeline)
+    ran = [s for s in rounds if s["name"] != UNUSED_ROUND]
+    summary = _summary(root, ran, verify, overlap, hits, misses, timeline)
     ax.set_yticks([LANE_Y[lane] for lane in LANES], LANES)
     ax.set_xlabel("ms since the request started (llm_request)")
     ax.set_xlim(0, max(timeline.ms(root["end_ns"]), max((timeline.ms(s["end_ns"]) for s in spans), default=1.0)))
@@ -157,6 +159,8 @@ def draw(spans: list[dict], output: str | pathlib.Path) -> str:
 
 
 LANE_Y = {lane: len(LANES) - 1 - i for i, lane in enumerate(LANES)}
+UNUSED_ROUND = "spec_round_unused"  # ssd: a round begun ahead that never ran (coordinator/round_trace.py)
+ROUND_SPANS = ("spec_round", "spec_rounds", UNUSED_ROUND)
 HIT_MARKER = ("^", "#2ca02c")
 MISS_MARKER = ("x", "#d62728")
 
@@ -171,13 +175,23 @@ class _Timeline:
         return (ns - self.t0_ns) / 1e6
 
 
+def overlapping(rounds: list[dict]) -> bool:
+    """Whether a round starts before the one before it has ended (ssd: work started ahead)."""
+    return any(b["start_ns"] < a["end_ns"] for a, b in zip(rounds, rounds[1:]))
+
+
 def _draw_rounds(ax, rounds: list[dict], timeline: _Timeline) -> tuple[int, int]:
     """One bar per round (or per folded summary of rounds), a marker on ssd rounds for the cache
-    outcome; returns (cache hits, cache misses) over all rounds."""
+    outcome; returns (cache hits, cache misses) over all rounds. Rounds that overlap in time
+    (ssd) alternate between two half-height rows, so that each stays visible."""
     hits = misses = 0
+    split = overlapping(rounds)
     for i, s in enumerate(rounds):
         attrs = s["attributes"]
-        if s["name"] == "spec_rounds":
+        y, height = (LANE_Y["rounds"] + (0.16 if i % 2 == 0 else -0.16), 0.3) if split else (LANE_Y["rounds"], 0.6)
+        if s["name"] == UNUSED_ROUND:
+            color, hatch, label = COLORS[UNUSED_ROUND], "..", str(attrs.get("specd.round.index", i))
+        elif s["name"] == "spec_rounds":
             color, hatch = COLORS["spec_rounds"][0], "//"
             label = f"{attrs.get('specd.rounds.first_index', '')}-{attrs.get('specd.rounds.last_index', '')}"
             hits += attrs.get("specd.rounds.cache_hits", 0)
@@ -193,11 +207,11 @@ def _draw_rounds(ax, rounds: list[dict], timeline: _Timeline) -> tuple[int, int]
                 ax.plot(timeline.ms(s["start_ns"]), LANE_Y["rounds"] + 0.42, marker=marker, color=marker_color,
                         markersize=7, clip_on=False)
         left, span_ms = timeline.ms(s["start_ns"]), (s["end_ns"] - s["start_ns"]) / 1e6
-        ax.barh(LANE_Y["rounds"], span_ms, left=left, height=0.6, color=color, edgecolor="white", hatch=hatch, linewidth=0.5)
+        ax.barh(y, span_ms, left=left, height=height, color=color, edgecolor="white", hatch=hatch, linewidth=0.5)
         if len(rounds) <= 40:
             k, acc = attrs.get("specd.round.num_draft"), attrs.get("specd.round.accepted")
-            text = label if k is None else f"{label}\n{acc}/{k}"
-            ax.text(left + span_ms / 2, LANE_Y["rounds"], text, ha="center", va="center", fontsize=6, color="white")
+            text = label if k is None else (f"{label} {acc}/{k}" if split else f"{label}\n{acc}/{k}")
+            ax.text(left + span_ms / 2, y, text, ha="center", va="center", fontsize=6 if not split else 5, color="white")
     return hits, misses
 
 
@@ -248,7 +262,8 @@ def _legend(rounds: list[dict], hits: int, misses: int) -> list:
     from matplotlib.patches import Patch
 
     legend = [
-        Patch(color=COLORS["spec_round"][0], label="spec_round (index, accepted/K)"),
+        Patch(color=COLORS["spec_round"][0], label="spec_round (index, accepted/K)"
+              + ("; rounds overlapping in time on alternate rows" if overlapping(rounds) else "")),
         Patch(color=COLORS["prefill"], label="Prefill"),
         Patch(color=COLORS["spec_verify"], label="spec_verify"),
         Patch(color=COLORS["spec_propose"], label="spec_propose"),
@@ -257,6 +272,8 @@ def _legend(rounds: list[dict], hits: int, misses: int) -> list:
     ]
     if any(s["name"] == "spec_rounds" for s in rounds):
         legend.append(Patch(facecolor=COLORS["spec_rounds"][0], hatch="//", label="spec_rounds (folded rounds first-last)"))
+    if any(s["name"] == UNUSED_ROUND for s in rounds):
+        legend.append(Patch(facecolor=COLORS[UNUSED_ROUND], hatch="..", label="round begun ahead, never ran"))
     for drawn, (marker, color), label in ((hits, HIT_MARKER, "ssd cache hit"), (misses, MISS_MARKER, "ssd cache miss")):
         if drawn:
             legend.append(Line2D([], [], linestyle="none", marker=marker, color=color, label=label))
