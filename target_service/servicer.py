@@ -177,7 +177,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         for (i, call), outcome in zip(calls.items(), outcomes):
             if isinstance(outcome, VerifyOutcome):
                 committed = call.start + len(call.tokens)
-                self._outcomes.record(call.session_id, committed, (outcome.accepted, outcome.next_token))
+                self._outcomes.record(call.session_id, committed, outcome_of(outcome))
                 outcome = _Timed(outcome, call, started_ns, ended_ns)
             results[i] = outcome
         self._observe_forward(results)
