@@ -9,7 +9,7 @@ import time
 
 from specd.sampling import SamplingSettings, SparseDist
 from specd.batcher import Batcher
-from specd.outcomes import choices_by_outcome
+from specd.outcomes import choices_by_outcome, outcome_of
 from specd.serving import InvalidRequest, ModelThread, abort_on_error
 from specd.session_cache import SessionNotFound
 from specd.telemetry import set_specd, worker_span
