@@ -100,15 +100,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         stats.queue_ms = place.queue_ms if place is not None else 0.0
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
+        rounds = self._rounds(gen)
         try:
-            rounds = self._rounds(gen)
             async for result in rounds:
                 stats.add(result)
                 yield await self._commit(gen, result, output)
                 if output.done:
-                    await rounds.aclose()
                     break
         finally:
+            # Closed before the sessions are ended: a request cancelled between rounds (while
+            # committing, or at the yield) leaves its loop suspended with the next round's calls
+            # started, and one of them reaching the draft after its EndSession would open the
+            # session again, to be held until the idle timeout.
+            await rounds.aclose()
             self._end_request(gen, stats, place)
         yield self._finish(span, gen, stats, output)
 
