@@ -352,7 +352,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (generate: per process; train: 2 here)")
     parser.add_argument("--heldout-percent", type=int, default=5)
     # generate
-    parser.add_argument("--shards", type=int, default=64)
+    parser.add_argument("--shards", type=int, default=106)
     parser.add_argument("--shard-size", type=int, default=48, help="prompts per shard (one batch)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -366,7 +366,7 @@ def main(argv=None) -> None:
     parser.add_argument("--borrowed-layers", type=int, default=2)
     parser.add_argument("--trained-layers", type=int, default=3)
     parser.add_argument("--init-layers", default="27,28,29", help="the target layers the trained layers start from")
-    parser.add_argument("--steps", type=int, default=1100)
+    parser.add_argument("--steps", type=int, default=1400)
     parser.add_argument("--batch", type=int, default=12)
     parser.add_argument("--seq", type=int, default=384)
     parser.add_argument("--lr", type=float, default=6e-4)
