@@ -40,9 +40,9 @@ class DraftModelRunner:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
         return prefill_session(self.model, self.sessions.open(session_id, start), start, tokens)
 
-    def propose(self, session_id, start, tokens, num_tokens, sampling, max_support, saguaro_c=1.0, saguaro_fanout=None) -> Proposal:
-        """Draft `num_tokens` tokens autoregressively after the committed history."""
-        return run_alone(self.propose_job(session_id, start, tokens, num_tokens, sampling, max_support, saguaro_c, saguaro_fanout))
+    def propose(self, *args, **kwargs) -> Proposal:
+        """Draft tokens autoregressively after the committed history, alone; the arguments are propose_job's."""
+        return run_alone(self.propose_job(*args, **kwargs))
 
     def propose_job(
         self,
@@ -82,26 +82,10 @@ class DraftModelRunner:
             lambda: forward_logits(self.model, session.cache, feed, num_logits),
         )))
 
-    def speculate(
-        self,
-        session_id: str,
-        start: int,
-        tokens: list[int],
-        draft_tokens: list[int],
-        num_tokens: int,
-        fanout: list[int],
-        sampling: SamplingSettings,
-        max_support: int,
-        saguaro_c: float,
-        saguaro_fanout: list[int],
-        cancel: threading.Event,
-        on_guesses=None,
-    ) -> SpeculationResult:
-        """SSD: the speculation cache for the round verifying `draft_tokens` (see speculation.py)."""
-        return run_alone(self.speculate_job(
-            session_id, start, tokens, draft_tokens, num_tokens, fanout, sampling, max_support,
-            saguaro_c, saguaro_fanout, cancel, on_guesses,
-        ))
+    def speculate(self, *args, **kwargs) -> SpeculationResult:
+        """SSD: the speculation cache for the round verifying `draft_tokens` (see speculation.py),
+        built alone; the arguments are speculate_job's."""
+        return run_alone(self.speculate_job(*args, **kwargs))
 
     def speculate_job(
         self,

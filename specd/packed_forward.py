@@ -23,6 +23,7 @@ time, as before.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -57,7 +58,7 @@ class _PackedBatch:
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments
-        ends = torch.tensor([len(s.tokens) for s in segments]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(len(s.tokens) for s in segments))
         self.bounds = list(zip([0] + ends[:-1], ends))  # each segment's slice of the packed sequence
         self.masks = [_mask(s, s.cache.get_seq_length()) for s in segments]
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current layer's, per segment
