@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from coordinator.draft_wait import DraftWait, answer_within
 from coordinator.load import UNLIMITED, SpeculationLoad
+from coordinator.payoff import SpeculationPayoff
 from coordinator.round_trace import RoundTrace
 from coordinator.workers import DraftFailed, DraftLink, TargetLink, WorkerSession
 from specd.modes import OFF, SD
@@ -38,6 +39,7 @@ class Generation:
     target_prefill: asyncio.Future | None = None  # the prompt's prefill, until round 0 awaits it
     draft_wait: DraftWait = dataclasses.field(default_factory=DraftWait)  # how long a round waits for the draft
     load: SpeculationLoad = UNLIMITED  # how much to speculate with this many requests running
+    payoff: SpeculationPayoff | None = None  # greedy sd under load: the K that pays (else the load's)
     target_session: WorkerSession = dataclasses.field(init=False)
     draft_session: WorkerSession = dataclasses.field(init=False)
 
@@ -115,13 +117,19 @@ async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None
 
 
 async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None, index: int, remaining: int) -> RoundResult:
-    num_draft = min(gen.load.k(gen.num_speculative_tokens), remaining - 1)
+    asked = gen.num_speculative_tokens
+    num_draft = min(gen.payoff.k(asked) if gen.payoff is not None else gen.load.k(asked), remaining - 1)
     drafted = await _draft_beside_prefill(gen, draft, num_draft)
     draft_tokens, draft_dists = drafted.tokens, drafted.dists
+    verify_started = time.perf_counter()
     verify = await target.verify(
         gen.target_session, gen.committed, draft_tokens, draft_dists, gen.sampling, gen.return_logprobs
     )
     accepted = verify.accepted
+    if gen.payoff is not None:
+        verify_wall_ms = (time.perf_counter() - verify_started) * 1000.0
+        # Round 0's draft wait holds the prompt's prefill: not a cost of drafting.
+        gen.payoff.observe_round(len(draft_tokens), accepted, None if index == 0 else (drafted.wait_ms, verify_wall_ms))
     return RoundResult(
         index=index,
         mode=drafted.mode,

@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from coordinator.admission import Admission, Place, running_limit
 from coordinator.load import UNLIMITED, SpeculationLoad
+from coordinator.payoff import RoundCosts, SpeculationPayoff
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait
 from coordinator.output import Chunk, Finish, RequestOutput, settle_text
@@ -52,6 +53,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics = None
         self.admission = Admission(self._running_limit, config.max_queued_requests)
         self._draft_max_sessions = 0  # the draft's cap as last seen (it is kept while the draft is down)
+        self.round_costs = RoundCosts()  # what sd rounds cost now, measured across requests
         # Separate pools: prompts waiting to be tokenised never delay a running stream's text.
         sizes = {"prompt": _PROMPT_THREADS, "large-prompt": _PROMPT_THREADS, "text": _TEXT_THREADS}
         self._pools = {
@@ -120,6 +122,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The request's state for its rounds, in the mode it runs."""
         facts = self._ready_facts()
         mode = self._run_mode(request.mode)
+        load = self._load(mode, request.sampling)
         return Generation(
             session_id=uuid.uuid4().hex,
             committed=list(request.prompt_ids),
@@ -132,7 +135,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             eos_token_ids=frozenset() if request.ignore_eos else facts.eos_token_ids,
             trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
             draft_wait=DraftWait(self.config.draft_wait_verifies, self.config.draft_wait_min_ms),
-            load=self._load(mode, request.sampling),
+            load=load,
+            payoff=self._payoff(mode, request.sampling, load),
         )
 
     def _load(self, mode: str, sampling: SamplingSettings) -> SpeculationLoad:
@@ -143,6 +147,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if mode == SD and not sampling.greedy:
             return UNLIMITED
         return SpeculationLoad(self.config.speculation_max_running, lambda: self.admission.running)
+
+    def _payoff(self, mode: str, sampling: SamplingSettings, load: SpeculationLoad) -> SpeculationPayoff | None:
+        """Greedy sd under load drafts the K that pays (coordinator/payoff.py); not where the
+        load policy is off (--speculation-max-running 0: every request speculates as asked)."""
+        if mode != SD or not sampling.greedy or self.config.speculation_max_running <= 0:
+            return None
+        return SpeculationPayoff(load, self.round_costs)
 
     def _rounds(self, gen: Generation) -> AsyncIterator[RoundResult]:
         """The request's round loop: ssd, or sd (which also runs target-only rounds)."""

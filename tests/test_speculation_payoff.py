@@ -1,0 +1,112 @@
+"""coordinator/payoff.py: a greedy sd request's K under load is the one that pays."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.load import SpeculationLoad
+from coordinator.payoff import RoundCosts, SpeculationPayoff, expected_tokens
+
+
+def _load(running: int, max_running: int = 8) -> SpeculationLoad:
+    return SpeculationLoad(max_running, lambda: running)
+
+
+def _costs(draft_ms_per_token: float, verify_ms_by_tokens: dict[int, float]) -> RoundCosts:
+    costs = RoundCosts()
+    for tokens, ms in verify_ms_by_tokens.items():
+        costs.observe(tokens - 1, draft_ms_per_token * (tokens - 1), ms)
+    return costs
+
+
+def test_expected_tokens_is_the_capped_geometric_mean():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_verify_cost_is_a_line_through_what_was_measured():
+    costs = _costs(10.0, {1: 60.0, 5: 90.0})
+    assert costs.verify_ms(1) == pytest.approx(60.0)
+    assert costs.verify_ms(3) == pytest.approx(75.0)
+    assert costs.verify_ms(9) == pytest.approx(120.0)
+    assert costs.draft_ms(3) == pytest.approx(30.0)
+
+
+def test_one_measured_token_count_extends_by_the_prior_slope():
+    costs = _costs(10.0, {5: 90.0})  # 5 tokens at 1.5x one: one token is 60 ms
+    assert costs.verify_ms(1) == pytest.approx(60.0)
+    assert costs.verify_ms(3) == pytest.approx(75.0)
+
+
+def test_more_tokens_never_verify_faster():
+    costs = _costs(10.0, {1: 60.0, 5: 50.0})
+    assert costs.verify_ms(5) == pytest.approx(60.0)
+
+
+def test_alone_a_request_drafts_what_it_asked():
+    payoff = SpeculationPayoff(_load(running=1), _costs(200.0, {1: 60.0, 5: 90.0}))
+    for _ in range(10):
+        payoff.observe_round(4, 0, None)
+    assert payoff.k(4) == 4
+
+
+def test_nothing_measured_yet_drafts_what_the_load_allows():
+    assert SpeculationPayoff(_load(running=3), RoundCosts()).k(4) == 4
+    assert SpeculationPayoff(_load(running=3, max_running=2), RoundCosts()).k(4) == 2
+
+
+def test_under_load_a_draft_that_costs_more_than_it_saves_drafts_nothing():
+    payoff = SpeculationPayoff(_load(running=3), _costs(60.0, {1: 60.0, 5: 90.0}))
+    for _ in range(10):
+        payoff.observe_round(4, 1, None)
+    assert payoff.k(4) == 0
+
+
+def test_under_load_a_cheap_draft_that_is_always_accepted_drafts_all_it_asked():
+    payoff = SpeculationPayoff(_load(running=3), _costs(2.0, {1: 60.0, 5: 65.0}))
+    for _ in range(10):
+        payoff.observe_round(4, 4, None)
+    assert payoff.k(4) == 4
+
+
+def test_the_default_pair_on_cpu_drafts_one_or_two():
+    # Measured on two cores: a 59 ms step, 10.5 ms a draft token, 5 tokens verified at 1.5x
+    # a step; acceptance ~0.55 per token. K = 4 yields fewer tokens per second than plain steps.
+    payoff = SpeculationPayoff(_load(running=2), _costs(10.5, {1: 59.0, 5: 88.5}))
+    payoff.accepted, payoff.rejected = 55.0, 45.0
+    k = payoff.k(4)
+    assert k in (1, 2)
+    rate = lambda n: expected_tokens(payoff.acceptance, n) / (10.5 * n + 59.0 * (1 + 0.125 * n))
+    assert rate(k) > rate(0) > rate(4)
+
+
+def test_the_load_cap_bounds_what_pays():
+    payoff = SpeculationPayoff(_load(running=3, max_running=2), _costs(2.0, {1: 60.0, 5: 65.0}))
+    for _ in range(10):
+        payoff.observe_round(2, 2, None)
+    assert payoff.k(4) == 2  # half of 4 at 3 running of 2
+    assert SpeculationPayoff(_load(running=5, max_running=2), payoff.costs).k(4) == 0
+
+
+def test_rounds_that_draft_nothing_drift_back_to_trying_again():
+    payoff = SpeculationPayoff(_load(running=3), _costs(12.0, {1: 60.0, 5: 90.0}))
+    for _ in range(20):
+        payoff.observe_round(4, 0, None)
+    assert payoff.k(4) == 0
+    plain_rounds = 0
+    while payoff.k(4) == 0:
+        payoff.observe_round(0, 0, None)
+        plain_rounds += 1
+        assert plain_rounds < 50, "a request that stopped drafting never tries again"
+    assert payoff.k(4) > 0
+
+
+def test_rounds_feed_the_shared_costs():
+    costs = RoundCosts()
+    first, second = SpeculationPayoff(_load(running=2), costs), SpeculationPayoff(_load(running=2), costs)
+    first.observe_round(2, 1, (20.0, 70.0))
+    second.observe_round(0, 0, (0.0, 60.0))
+    assert costs.draft_ms(1) == pytest.approx(10.0)
+    assert costs.verify_ms(1) == pytest.approx(60.0)
+    assert costs.verify_ms(3) == pytest.approx(70.0)
