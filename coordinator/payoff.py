@@ -8,11 +8,12 @@ per second depends on the request's acceptance (its own text) and on what forwar
 default pair, K = 4 alone is slower than plain steps, while K = 1 or 2 is faster.
 
 So once more than one request runs, each round of a greedy sd request takes the K in
-0..(what the load allows, coordinator/load.py) that maximises expected tokens per millisecond.
+1..(what the load allows, coordinator/load.py) that maximises expected tokens per millisecond.
+It drafts at least one token while the load allows any: turning speculation off is the load
+policy's call, and a request that drafts keeps measuring its acceptance.
 The costs are the coordinator's own measurements, shared by all requests (`RoundCosts`): the
 draft's wall time per drafted token, and the verify's wall time by the number of tokens it
-verified. The acceptance is the request's own, decayed so that recent rounds dominate; while a
-request drafts nothing its estimate drifts back to the prior, so it tries again later.
+verified. The acceptance is the request's own, decayed so that recent rounds dominate.
 
 Greedy output does not depend on K (the exactness contract), so this changes speed only. A
 request alone keeps the K it asked for; sampled sd requests keep theirs at any load (their seed
@@ -111,7 +112,7 @@ class SpeculationPayoff:
         if cap <= 0 or self.load.running() <= 1:
             return cap
         best_k, best_rate = cap, None
-        for k in range(cap + 1):
+        for k in range(1, cap + 1):
             rate = self._tokens_per_ms(k)
             if rate is None:
                 return cap  # nothing measured yet: speculate as the load allows
@@ -120,20 +121,16 @@ class SpeculationPayoff:
         return best_k
 
     def _tokens_per_ms(self, num_draft: int) -> float | None:
-        verify_ms = self.costs.verify_ms(num_draft + 1)
-        draft_ms = self.costs.draft_ms(num_draft) if num_draft > 0 else 0.0
+        verify_ms, draft_ms = self.costs.verify_ms(num_draft + 1), self.costs.draft_ms(num_draft)
         if verify_ms is None or draft_ms is None or verify_ms + draft_ms <= 0:
             return None
         return expected_tokens(self.acceptance, num_draft) / (verify_ms + draft_ms)
 
     def observe_round(self, num_draft: int, accepted: int, costs_ms: tuple[float, float] | None) -> None:
-        """A round's outcome, and what it cost (draft wait, verify wall time; None: not
-        measured). A round that drafted nothing moves the acceptance back toward the prior."""
+        """A round's outcome, and what it cost (draft wait, verify wall time; None: not measured)."""
         if costs_ms is not None:
             self.costs.observe(num_draft, *costs_ms)
         if num_draft == 0:
-            self.accepted = self.accepted * _DECAY + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT * (1 - _DECAY)
-            self.rejected = self.rejected * _DECAY + (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT * (1 - _DECAY)
             return
         self.accepted = self.accepted * _DECAY + accepted
         self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
