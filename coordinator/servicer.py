@@ -176,6 +176,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _end_request(self, gen: Generation, stats: RequestStats, place: Place | None) -> None:
         """Free what the request holds, however it ended (also cancelled: what ran is counted)."""
         drop_target_prefill(gen)
+        gen.target_session.ended = gen.draft_session.ended = True
         ending = self._end_sessions(gen.session_id)
         if place is not None:
             place.release_after(ending)

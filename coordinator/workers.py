@@ -45,6 +45,7 @@ class WorkerSession:
     session_id: str
     sent: int = 0
     call_ms: float | None = None  # wall time of the latest call answered through _synced_call
+    ended: bool = False  # the request is over and its EndSession sent: no call may open it again
 
     def committed_tail(self, committed: list[int]) -> common_pb2.CommittedTokens:
         return common_pb2.CommittedTokens(start=self.sent, token_ids=committed[self.sent :])
@@ -79,19 +80,30 @@ async def _synced_call(
     deadline: float,
 ):
     """Send the unsent tail; resend everything once if the worker lost the session. Both sends
-    share `deadline`: `call(tail, timeout_s)` gets the seconds left."""
+    share `deadline`: `call(tail, timeout_s)` gets the seconds left.
+
+    Nothing is sent for a session whose request has ended (a call of its still running when the
+    request was cancelled): a resend from position 0 after its EndSession would open the session
+    again on the worker, to be held there until the idle timeout. Such a call is cancelled."""
     started = time.monotonic()
+    _check_not_ended(session)
     try:
         response = await call(session.committed_tail(committed), remaining_s(deadline))
     except grpc.aio.AioRpcError as exc:
         if exc.code() not in _RESYNC_CODES:
             raise
+        _check_not_ended(session)
         log.info("session %s lost on a worker (%s); resending its history", session.session_id, exc.code().name)
         session.sent = 0
         response = await call(session.committed_tail(committed), remaining_s(deadline))
     session.answered(committed, getattr(response, "cached_tokens", None))
     session.call_ms = (time.monotonic() - started) * 1000.0
     return response
+
+
+def _check_not_ended(session: WorkerSession) -> None:
+    if session.ended:
+        raise asyncio.CancelledError(f"session {session.session_id} ended with its request")
 
 
 # gRPC's default reconnect back-off grows to 120 s: a worker back after a long outage would be
