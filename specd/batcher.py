@@ -7,8 +7,10 @@ per session (a session's calls depend on each other), and runs them as one batch
 runs at once, as before batching, and a loaded worker's batches grow with its load (continuous
 batching).
 
-`run_batch(items)` runs on the model thread and returns one result per item: a value, or the
-exception that item raised (one bad call fails alone).
+`run_batch(items)` runs on the model thread and returns one result per item: a value, the
+exception that item raised (one bad call fails alone), or AGAIN: the item made progress but is
+not done (a long prompt's prefill catches up a chunk per shared forward), and it stays first in
+line for the next batch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,24 @@ import time
 from typing import Callable, Hashable
 
 from specd.serving import no_stop_iteration
+from specd.session_cache import SessionNotFound
 from specd.turns import Pending, Turns
+
+
+class Again:
+    """run_batch's result for an item that is not done: run it again in the next batch."""
+
+    def __reduce__(self):  # one instance, also across a tensor-parallel group's pickles
+        return "AGAIN"
+
+
+AGAIN = Again()
+
+
+def _fail(future: concurrent.futures.Future, exc: BaseException) -> None:
+    """Fail a future that is queued, or already running (an item run AGAIN)."""
+    if future.running() or future.set_running_or_notify_cancel():
+        future.set_exception(exc)
 
 
 class Batcher:
@@ -61,8 +80,7 @@ class Batcher:
         with self._lock:
             failed, self._pending = list(self._pending), collections.deque()
         for future, _ in failed:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
+            _fail(future, exc)
 
     def _drain(self) -> None:
         """On the model thread: one batch of what is pending."""
@@ -84,7 +102,8 @@ class Batcher:
             dropped = [entry for entry in self._pending if self._session_of(entry[1]) == session]
             self._pending = collections.deque(entry for entry in self._pending if self._session_of(entry[1]) != session)
         for future, _ in dropped:
-            future.cancel()
+            if not future.cancel():  # an item run AGAIN is running: its call ends here
+                _fail(future, SessionNotFound(f"session {session!r} ended"))
         self._turns.forget(session)
 
     def _take(self) -> list[tuple[concurrent.futures.Future, object]]:
@@ -96,7 +115,7 @@ class Batcher:
                 session = self._session_of(item)
                 if session in sessions:
                     deferred.append((future, item))  # after this one's batch, in order
-                elif future.set_running_or_notify_cancel():
+                elif future.running() or future.set_running_or_notify_cancel():  # running: an item run AGAIN
                     batch.append((future, item))
                     sessions.add(session)
             self._pending.extendleft(reversed(deferred))
@@ -107,8 +126,14 @@ class Batcher:
             results = no_stop_iteration(self._run_batch, [item for _, item in batch])
         except BaseException as exc:  # noqa: BLE001 - every call of the batch reports it
             results = [exc] * len(batch)
-        for (future, _), result in zip(batch, results):
-            if isinstance(result, BaseException):
+        again = collections.deque()
+        for (future, item), result in zip(batch, results):
+            if isinstance(result, Again):
+                again.append((future, item))
+            elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)
+        if again:
+            with self._lock:
+                self._pending.extendleft(reversed(again))  # first in line, in order

@@ -19,6 +19,9 @@ class TargetConfig(WorkerConfig):
         1800.0, "tensor parallel: collective timeout of the command group ranks wait in between requests"
     )
     tp_heartbeat_s: float = setting(5.0, "tensor parallel: rank 0 broadcasts a heartbeat after this long idle")
+    prefill_chunk_tokens: int = setting(
+        256, "in a forward shared with other sessions, most prompt tokens one session caches (the rest in the next forwards; 0: all at once)"
+    )
     verify_after_wait_s: float = setting(
         60.0, "VerifyAfter: answer unmatched (nothing ran) if the verify it follows has not run after this long"
     )
@@ -29,5 +32,7 @@ class TargetConfig(WorkerConfig):
             raise ConfigError("--tensor-parallel must be >= 1")
         if not 0 < self.tp_heartbeat_s < self.tp_timeout_s:
             raise ConfigError("--tp-heartbeat-s must be > 0 and shorter than --tp-timeout-s")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError("--prefill-chunk-tokens must be >= 0")
         if self.verify_after_wait_s <= 0:
             raise ConfigError("--verify-after-wait-s must be > 0")

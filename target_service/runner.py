@@ -4,6 +4,10 @@ The servicer calls these methods from one executor thread. A tensor-parallel
 runner offers the same methods: rank 0 broadcasts each call and every rank runs it.
 Verifies and prompt prefills of different sessions that are ready together run as one
 packed forward (specd/packed_forward.py); each verify then takes its own ratio test.
+In a forward shared with other sessions, a call that still has to cache a long stretch of
+committed tokens (a new prompt) caches at most `prefill_chunk` of them and runs again in the
+next batch (AGAIN), so that one long prompt does not make everyone's step as slow as its
+prefill; alone, it catches up in one forward.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 
 import torch
 
+from specd.batcher import AGAIN, Again
 from specd.forward import forward_logits, prefill_session
 from specd.models import LoadedModel
 from specd.packed_forward import Segment, enable_packing
@@ -70,12 +75,21 @@ class _Synced:
     num_logits: int
     first_position: int  # absolute position of d_1 (of the token after the committed ones)
 
+    def first_chunk(self, most: int) -> _Synced | None:
+        """The first `most` tokens of a catch-up longer than that, to cache now (the call runs
+        again for the rest); None when the committed tokens to feed are `most` or fewer."""
+        committed_feed = len(self.feed) - (self.call.num_draft if isinstance(self.call, VerifyCall) else 0)
+        if committed_feed <= most:
+            return None
+        return _Synced(self.call, self.session, self.feed[:most], 1, self.first_position)
+
 
 class TargetModelRunner:
-    def __init__(self, loaded: LoadedModel, sessions: SessionStore, pack: bool = True):
+    def __init__(self, loaded: LoadedModel, sessions: SessionStore, pack: bool = True, prefill_chunk: int = 0):
         self.loaded = loaded
         self.sessions = sessions
         self._packer = enable_packing(loaded.model) if pack else None  # None: one session per forward
+        self._prefill_chunk = prefill_chunk  # in a shared forward, most committed tokens a call caches (0: all)
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
@@ -87,9 +101,10 @@ class TargetModelRunner:
         (logits,), forward_ms = self._forward([joined])  # [K+1, V]
         return self._decide(joined, logits, forward_ms)
 
-    def run_batch(self, calls: list[Call]) -> list[VerifyOutcome | Prefilled | BaseException]:
+    def run_batch(self, calls: list[Call]) -> list[VerifyOutcome | Prefilled | Again | BaseException]:
         """Verifies and prefills of different sessions in one forward; each call's outcome
-        (a VerifyOutcome, or a prefill's (cached, ms)), or what it raised."""
+        (a VerifyOutcome, or a prefill's (cached, ms)), AGAIN for a call that cached a chunk of
+        its catch-up and runs again, or what it raised."""
         if len(calls) == 1 or self._packer is None:
             return [_outcome_or_error(self._run_alone, call) for call in calls]
         results: list = [None] * len(calls)
@@ -101,14 +116,29 @@ class TargetModelRunner:
                 results[i] = exc
         for i in [i for i, joined in synced.items() if not joined.feed]:  # a prefill with nothing to cache
             results[i] = (len(synced.pop(i).session.cached_tokens), 0.0)
+        chunked = self._chunk_catch_ups(synced)
         if synced:
             logits, forward_ms = self._forward(list(synced.values()))  # [num_logits, V] each
             for (i, joined), call_logits in zip(synced.items(), logits):
-                if isinstance(joined.call, PrefillCall):
+                if i in chunked:
+                    results[i] = AGAIN
+                elif isinstance(joined.call, PrefillCall):
                     results[i] = (len(joined.session.cached_tokens), forward_ms)
                 else:
                     results[i] = self._decide(joined, call_logits, forward_ms)
         return results
+
+    def _chunk_catch_ups(self, synced: dict[int, _Synced]) -> set[int]:
+        """In a shared forward, long catch-ups cut to their first chunk (in place); their indices."""
+        if not self._prefill_chunk or len(synced) < 2:
+            return set()
+        chunked = set()
+        for i, joined in synced.items():
+            chunk = joined.first_chunk(self._prefill_chunk)
+            if chunk is not None:
+                synced[i] = chunk
+                chunked.add(i)
+        return chunked
 
     def _run_alone(self, call: Call) -> VerifyOutcome | Prefilled:
         if isinstance(call, PrefillCall):

@@ -8,7 +8,7 @@ import dataclasses
 import time
 
 from specd.sampling import SamplingSettings, SparseDist
-from specd.batcher import Batcher
+from specd.batcher import Again, Batcher
 from specd.outcomes import choices_by_outcome, outcome_of
 from specd.serving import InvalidRequest, ModelThread, abort_on_error
 from specd.session_cache import SessionNotFound
@@ -187,8 +187,9 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         """One forward in the metrics: as a verify if it verified anything, else as a prefill."""
         timed = [r for r in results if isinstance(r, _Timed)]
         prefilled = [r for r in results if isinstance(r, tuple)]
+        chunks = sum(isinstance(r, Again) for r in results)  # calls that cached a chunk, to run again
         if timed:
-            self._observe("verify", timed[0].outcome.forward_ms, batch_size=len(timed) + len(prefilled))
+            self._observe("verify", timed[0].outcome.forward_ms, batch_size=len(timed) + len(prefilled) + chunks)
         elif prefilled:
             self._observe("prefill", max(ms for _, ms in prefilled), batch_size=len(prefilled))
 

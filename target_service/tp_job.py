@@ -155,4 +155,5 @@ def load_local_runner(config: TargetConfig, job: Job) -> TargetModelRunner:
     )
     warm_up(loaded.model)
     dist.barrier(group=job.command_group)
-    return TargetModelRunner(loaded, SessionStore(config.max_sessions, config.session_idle_timeout_s))
+    sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
+    return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)

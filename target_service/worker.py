@@ -25,7 +25,8 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     set_threads(config.threads)
     loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
     warm_up(loaded.model)
-    return TargetModelRunner(loaded, SessionStore(config.max_sessions, config.session_idle_timeout_s))
+    sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
+    return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)
 
 
 async def start_target(
