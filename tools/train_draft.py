@@ -163,11 +163,8 @@ def trainable_parameters(draft) -> list[torch.nn.Parameter]:
     return params
 
 
-def make_batch(rows: list[dict], indices: list[int], seq: int, vocab_index: torch.Tensor, generated_only: bool = False):
-    """Rows -> (input ids [B, L], label ids [B, L, k] in draft-vocab indices (-1 outside), label log-probs [B, L, k], mask [B, L]).
-
-    generated_only: the mask keeps only the positions that predict the target's own output
-    (the prompt still feeds the forward as context), which is what a draft predicts when serving."""
+def make_batch(rows: list[dict], indices: list[int], seq: int, vocab_index: torch.Tensor):
+    """Rows -> (input ids [B, L], label ids [B, L, k] in draft-vocab indices (-1 outside), label log-probs [B, L, k], mask [B, L])."""
     batch = len(indices)
     pieces = []
     for i in indices:
@@ -188,8 +185,6 @@ def make_batch(rows: list[dict], indices: list[int], seq: int, vocab_index: torc
         label_ids[b, :n] = vocab_index[labels]
         label_logp[b, :n] = values
         mask[b, :n] = 1.0
-        if generated_only:
-            mask[b, : len(rows[indices[b]]["prompt_ids"]) - 1] = 0.0  # row j predicts ids[j + 1]
     return input_ids, label_ids, label_logp, mask
 
 
@@ -217,11 +212,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 
 
 def stage_train(args, rows: list[dict], vocab: torch.Tensor):
-    """Fixed-step AdamW distillation, checkpointed and resumable; returns the trained draft.
-
-    `--steps` on every position of the data, then `--polish-steps` on the generated positions
-    only, at `--polish-lr` (cosine to 10%): the second phase spends the draft's capacity on the
-    text it drafts when serving (the target's own), not on the prompts' human text."""
+    """Fixed-step AdamW distillation, checkpointed and resumable; returns the trained draft."""
     torch.set_num_threads(args.threads)
     draft = build_draft(args, vocab)
     params = trainable_parameters(draft)
@@ -238,16 +229,14 @@ def stage_train(args, rows: list[dict], vocab: torch.Tensor):
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["generated_ids"]))
     draft.train()
     started, recent = time.time(), []
-    for step in range(start, args.steps + args.polish_steps):
-        polishing = step >= args.steps
+    for step in range(start, args.steps):
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         # Rows of similar length share a batch (little padding): a random window of the length order.
         first = int(torch.randint(0, len(order) - args.batch + 1, (1,), generator=generator))
         indices = order[first : first + args.batch]
-        input_ids, label_ids, label_logp, mask = make_batch(rows, indices, args.seq, vocab_index, generated_only=polishing)
-        lr = lr_at(step - args.steps, args.polish_steps, args.polish_lr, 10) if polishing else lr_at(step, args.steps, args.lr, args.warmup)
+        input_ids, label_ids, label_logp, mask = make_batch(rows, indices, args.seq, vocab_index)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         hidden = draft.model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state  # [B, L, H]
         logits = hidden @ draft.lm_head.weight.T  # [B, L, N]
         loss = top_k_kl(logits, label_ids, label_logp, mask)
@@ -257,9 +246,9 @@ def stage_train(args, rows: list[dict], vocab: torch.Tensor):
         optimizer.step()
         recent.append(loss.item())
         if (step + 1) % args.log_every == 0:
-            print(f"step {step + 1}/{args.steps + args.polish_steps} loss {sum(recent) / len(recent):.4f} ({time.time() - started:.0f} s)", flush=True)
+            print(f"step {step + 1}/{args.steps} loss {sum(recent) / len(recent):.4f} ({time.time() - started:.0f} s)", flush=True)
             recent = []
-        if (step + 1) % args.save_every == 0 or step + 1 in (args.steps, args.steps + args.polish_steps):
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, checkpoint.with_suffix(".partial"))
             checkpoint.with_suffix(".partial").replace(checkpoint)
     draft.eval()
@@ -382,8 +371,6 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=384)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--polish-steps", type=int, default=0, help="steps on the generated positions only, after --steps")
-    parser.add_argument("--polish-lr", type=float, default=2e-4)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--save-every", type=int, default=50)
     # evaluate
