@@ -58,6 +58,8 @@ class Batcher:
         self._max_batch = max_batch
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[concurrent.futures.Future, object]] = collections.deque()
+        self._in_forward: set[Hashable] = set()  # sessions of the batch running now
+        self._ended_in_forward: set[Hashable] = set()  # of those, the ones forgotten meanwhile
         self._turns = Turns(submit, self._drain, self._pending_sessions, self._refuse, max_batch, max_wait_s)
 
     def enqueue(self, future: concurrent.futures.Future, item: object) -> None:
@@ -101,6 +103,8 @@ class Batcher:
         with self._lock:
             dropped = [entry for entry in self._pending if self._session_of(entry[1]) == session]
             self._pending = collections.deque(entry for entry in self._pending if self._session_of(entry[1]) != session)
+            if session in self._in_forward:
+                self._ended_in_forward.add(session)  # a call of it that comes back AGAIN ends there
         for future, _ in dropped:
             if not future.cancel():  # an item run AGAIN is running: its call ends here
                 _fail(future, SessionNotFound(f"session {session!r} ended"))
@@ -119,6 +123,7 @@ class Batcher:
                     batch.append((future, item))
                     sessions.add(session)
             self._pending.extendleft(reversed(deferred))
+            self._in_forward = sessions
         return batch
 
     def _run(self, batch: list[tuple[concurrent.futures.Future, object]]) -> None:
@@ -126,9 +131,13 @@ class Batcher:
             results = no_stop_iteration(self._run_batch, [item for _, item in batch])
         except BaseException as exc:  # noqa: BLE001 - every call of the batch reports it
             results = [exc] * len(batch)
+        with self._lock:
+            ended, self._in_forward, self._ended_in_forward = self._ended_in_forward, set(), set()
         again = collections.deque()
         for (future, item), result in zip(batch, results):
-            if isinstance(result, Again):
+            if isinstance(result, Again) and self._session_of(item) in ended:
+                future.set_exception(SessionNotFound(f"session {self._session_of(item)!r} ended"))
+            elif isinstance(result, Again):
                 again.append((future, item))
             elif isinstance(result, BaseException):
                 future.set_exception(result)

@@ -109,23 +109,47 @@ def test_an_item_run_again_stays_first_in_line_until_it_is_done():
     model_thread.shutdown()
 
 
-def test_an_item_run_again_fails_when_its_session_ends():
-    ran = threading.Event()
+def _endless_again(calls: list, on_call=None):
+    """A run_batch whose items never finish (bounded, so that a bug cannot spin for ever)."""
 
     def run_batch(items):
-        ran.set()
-        return [AGAIN if item == "a1" else item for item in items]
+        calls.append(list(items))
+        if on_call is not None:
+            on_call(len(calls))
+        return [AGAIN if len(calls) < 50 else "never done" for _ in items]
 
-    batcher, model_thread, gate = _batcher(run_batch)
+    return run_batch
+
+
+def test_an_item_run_again_fails_when_its_session_ends_while_it_waits():
+    calls: list = []
     hold = threading.Event()
+    # Queued on the model thread during the first forward, so before the next turn.
+    batcher, model_thread, gate = _batcher(_endless_again(calls, lambda n: n == 1 and model_thread.submit(hold.wait, 5)))
     future = batcher.submit("a1")
     gate.set()
-    ran.wait(5)
-    model_thread.submit(hold.wait, 5)  # the next turn waits: a1 is pending, run again
-    batcher.forget("a")  # EndSession
+    while not calls:
+        threading.Event().wait(0.01)
+    batcher.forget("a")  # EndSession, while a1 waits for its next forward
     hold.set()
     with pytest.raises(SessionNotFound):
         future.result(5)
+    assert len(calls) == 1
+    model_thread.shutdown()
+
+
+def test_an_item_run_again_fails_when_its_session_ends_during_its_forward():
+    calls: list = []
+    in_forward, release = threading.Event(), threading.Event()
+    batcher, model_thread, gate = _batcher(_endless_again(calls, lambda n: n == 1 and (in_forward.set(), release.wait(5))))
+    future = batcher.submit("a1")
+    gate.set()
+    assert in_forward.wait(5)
+    batcher.forget("a")  # EndSession, while a1's chunk is in the forward
+    release.set()
+    with pytest.raises(SessionNotFound):
+        future.result(5)
+    assert len(calls) == 1
     model_thread.shutdown()
 
 
