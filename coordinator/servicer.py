@@ -54,6 +54,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.admission = Admission(self._running_limit, config.max_queued_requests)
         self._draft_max_sessions = 0  # the draft's cap as last seen (it is kept while the draft is down)
         self.round_costs = RoundCosts()  # what sd rounds cost now, measured across requests
+        # Requests in their rounds now: what speculation under load counts. Not the admitted
+        # places, which a request holds until its EndSession calls are answered: the request
+        # after it would find one more running than decodes beside it.
+        self.decoding = 0
         # Separate pools: prompts waiting to be tokenised never delay a running stream's text.
         sizes = {"prompt": _PROMPT_THREADS, "large-prompt": _PROMPT_THREADS, "text": _TEXT_THREADS}
         self._pools = {
@@ -103,6 +107,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         rounds = self._rounds(gen)
+        self.decoding += 1
         try:
             async for result in rounds:
                 stats.add(result)
@@ -114,8 +119,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             # committing, or at the yield) leaves its loop suspended with the next round's calls
             # started, and one of them reaching the draft after its EndSession would open the
             # session again, to be held until the idle timeout.
-            await rounds.aclose()
-            self._end_request(gen, stats, place)
+            try:
+                await rounds.aclose()
+            finally:
+                self.decoding -= 1
+                self._end_request(gen, stats, place)
         yield self._finish(span, gen, stats, output)
 
     def _generation(self, request: ResolvedRequest) -> Generation:
@@ -146,7 +154,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         already depends on timing."""
         if mode == SD and not sampling.greedy:
             return UNLIMITED
-        return SpeculationLoad(self.config.speculation_max_running, lambda: self.admission.running)
+        return SpeculationLoad(self.config.speculation_max_running, lambda: self.decoding)
 
     def _payoff(self, mode: str, sampling: SamplingSettings, load: SpeculationLoad) -> SpeculationPayoff | None:
         """Greedy sd under load drafts the K that pays (coordinator/payoff.py); not where the
