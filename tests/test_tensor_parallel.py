@@ -33,12 +33,14 @@ from coordinator.server import start_coordinator
 from specd.sampling import SamplingSettings, SparseDist
 from specd.v1 import common_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
+from specd.batcher import AGAIN
 from target_service.runner import PrefillCall, VerifyCall
 from target_service.config import TargetConfig
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, load_reference, request
 from tests.stack import ServiceStack
 
 RTOL = 1e-4  # logits: max |tp - single| <= RTOL * max |single|, per forward
+PREFILL_CHUNK = 4  # the runner script's long prompt is cached this many tokens per shared forward
 TP_TIMEOUT_S = 3.0  # the served job's collective timeout (command group): the idle test outwaits it
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 150, 100, 50, 25, 12, 6, 3]]
 
@@ -87,6 +89,20 @@ def _runner_script(runner) -> None:
     ])
     assert not any(isinstance(outcome, BaseException) for outcome in batch), batch
     assert runner.end_session("c")
+    committed += [7, 7][: batch[0].accepted] + [batch[0].next_token]
+    # A prompt longer than a chunk beside a session's step: cached PREFILL_CHUNK tokens per shared
+    # forward (AGAIN) on every rank alike, until the rest fits.
+    chunks = 0
+    while True:
+        long, step = runner.run_batch([
+            PrefillCall("e", 0, list(range(20, 33))),  # 12 tokens to cache: 4, 4, then the last 4
+            VerifyCall("a", len(committed) - 1, committed[-1:], [7], [], greedy, False),
+        ])
+        committed += [7][: step.accepted] + [step.next_token]
+        if long is not AGAIN:
+            break
+        chunks += 1
+    assert chunks == 2 and long[0] == 12, (chunks, long)
 
 
 def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
@@ -106,7 +122,7 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
     # Verify calls the runner module's name; prefill goes through specd.forward's own.
     runner_module.forward_logits = specd.forward.forward_logits = recording_forward
     config = TargetConfig(model=model, device="cpu", threads=1, tensor_parallel=world, session_idle_timeout_s=1.0,
-                          tp_timeout_s=RUNNER_TP_TIMEOUT_S, tp_heartbeat_s=0.2)
+                          tp_timeout_s=RUNNER_TP_TIMEOUT_S, tp_heartbeat_s=0.2, prefill_chunk_tokens=PREFILL_CHUNK)
     job = tp_job.Job(rank=rank, world_size=world, local_rank=rank)
     if rank == 0:
         runner = tp_rank0.load_tensor_parallel_runner(config, job)
@@ -164,7 +180,8 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
         single_logits.append(logits.clone())
         return logits, ms
 
-    single = load_runner(TargetConfig(model=target, device="cpu", threads=1, session_idle_timeout_s=1.0))
+    single = load_runner(TargetConfig(model=target, device="cpu", threads=1, session_idle_timeout_s=1.0,
+                                      prefill_chunk_tokens=PREFILL_CHUNK))
     monkeypatch.setattr(runner_module, "forward_logits", recording_forward)
     monkeypatch.setattr(specd.forward, "forward_logits", recording_forward)
     _runner_script(single)
