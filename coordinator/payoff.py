@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from coordinator.acceptance import AcceptanceEstimate
 from coordinator.load import SpeculationLoad
 
 # A request's acceptance before it has verified anything, and its weight in rounds.
@@ -97,14 +98,9 @@ class SpeculationPayoff:
 
     load: SpeculationLoad
     costs: RoundCosts
-    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
-    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
-
-    @property
-    def acceptance(self) -> float:
-        """Per drafted token, given the ones before it were accepted: the capped-geometric
-        maximum-likelihood estimate (accepted tokens over accepted tokens plus rejections)."""
-        return self.accepted / (self.accepted + self.rejected)
+    acceptance: AcceptanceEstimate = dataclasses.field(
+        default_factory=lambda: AcceptanceEstimate(_PRIOR_ACCEPTANCE, _PRIOR_WEIGHT, _DECAY)
+    )
 
     def k(self, asked: int) -> int:
         """Draft tokens for the next round."""
@@ -124,13 +120,10 @@ class SpeculationPayoff:
         verify_ms, draft_ms = self.costs.verify_ms(num_draft + 1), self.costs.draft_ms(num_draft)
         if verify_ms is None or draft_ms is None or verify_ms + draft_ms <= 0:
             return None
-        return expected_tokens(self.acceptance, num_draft) / (verify_ms + draft_ms)
+        return expected_tokens(self.acceptance.value, num_draft) / (verify_ms + draft_ms)
 
     def observe_round(self, num_draft: int, accepted: int, costs_ms: tuple[float, float] | None) -> None:
         """A round's outcome, and what it cost (draft wait, verify wall time; None: not measured)."""
         if costs_ms is not None:
             self.costs.observe(num_draft, *costs_ms)
-        if num_draft == 0:
-            return
-        self.accepted = self.accepted * _DECAY + accepted
-        self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
+        self.acceptance.observe(num_draft, accepted)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from coordinator.acceptance import AcceptanceEstimate
 from coordinator.load import UNLIMITED, SpeculationLoad
 from specd import fanout as fanout_lib
 
@@ -21,15 +22,14 @@ _DECAY = 0.9  # per round: recent rounds dominate the estimate
 
 @dataclasses.dataclass
 class RequestSizing:
-    """A request's fixed K and budget, and its per-token acceptance from decayed counts: the
-    capped-geometric maximum-likelihood estimate (accepted tokens over accepted tokens plus
-    rejections)."""
+    """A request's fixed K and budget, and its per-token acceptance (coordinator/acceptance.py)."""
 
     asked_k: int
     asked_budget: int
     load: SpeculationLoad = UNLIMITED
-    accepted: float = _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT  # decayed sum of accepted tokens
-    rejected: float = (1 - _PRIOR_ACCEPTANCE) * _PRIOR_WEIGHT  # decayed count of rejections
+    estimate: AcceptanceEstimate = dataclasses.field(
+        default_factory=lambda: AcceptanceEstimate(_PRIOR_ACCEPTANCE, _PRIOR_WEIGHT, _DECAY)
+    )
 
     @property
     def k(self) -> int:
@@ -43,13 +43,10 @@ class RequestSizing:
 
     @property
     def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        return self.estimate.value
 
     def observe_round(self, num_draft: int, accepted: int) -> None:
-        if num_draft == 0:
-            return
-        self.accepted = self.accepted * _DECAY + accepted
-        self.rejected = self.rejected * _DECAY + (1.0 if accepted < num_draft else 0.0)
+        self.estimate.observe(num_draft, accepted)
 
     def fanout(self, num_draft: int, vocab_size: int, r: float) -> list[int]:
         """F_0..F_K: guesses per outcome k of verifying `num_draft` tokens, under the budget."""

@@ -80,11 +80,8 @@ async def _synced_call(
     deadline: float,
 ):
     """Send the unsent tail; resend everything once if the worker lost the session. Both sends
-    share `deadline`: `call(tail, timeout_s)` gets the seconds left.
-
-    Nothing is sent for a session whose request has ended (a call of its still running when the
-    request was cancelled): a resend from position 0 after its EndSession would open the session
-    again on the worker, to be held there until the idle timeout. Such a call is cancelled."""
+    share `deadline`: `call(tail, timeout_s)` gets the seconds left. Nothing is (re)sent once the
+    request has ended: a resend from 0 after its EndSession would reopen the session on the worker."""
     started = time.monotonic()
     _check_not_ended(session)
     try:
@@ -102,7 +99,7 @@ async def _synced_call(
 
 
 def _check_not_ended(session: WorkerSession) -> None:
-    if session.ended:
+    if session.ended:  # a call still running when its request was cancelled: it is cancelled too
         raise asyncio.CancelledError(f"session {session.session_id} ended with its request")
 
 
