@@ -13,7 +13,9 @@ models/smollm2-draft/README.md):
             frozen; its own layers start as copies of the target's last layers, its head as
             the target's rows for the draft vocabulary) distilled on the target's top-k
             log-probabilities (forward KL), a fixed number of steps with batches drawn from a
-            generator seeded by (seed, step), checkpointed every --save-every steps;
+            generator seeded by (seed, step), checkpointed every --save-every steps; then, with
+            --grow-steps, made deeper (new layers after the borrowed ones that start out adding
+            nothing, see stage_grow) and distilled further, checkpointed the same way;
   export    the committed files: config, its own layers + final norm + head + vocabulary
             (bf16), the target's tokenizer files (run after train, and by it);
   evaluate  greedy tokens per round at K on held-out prompts (code and chat) and the step
@@ -117,22 +119,26 @@ def target_vocab_size() -> int:
 # ------------------------------------------------------------------------------ train
 
 
-def build_draft(args, vocab: torch.Tensor):
-    """The draft before training: borrowed embedding and layers, trained layers and head from the target."""
+def build_draft(args, vocab: torch.Tensor, trained_layers: int, init_layers: list[int]):
+    """A draft before training: borrowed embedding and layers, trained layers and head from the target."""
     from specd.default_target import NAME, target_folder
     from specd.draft_model import DraftLlamaConfig, DraftLlamaForCausalLM, borrow_from_target
 
     target_config = json.loads((target_folder() / "config.json").read_text())
     for key in ("architectures", "model_type", "transformers_version", "_model_name_or_path", "tie_word_embeddings", "dtype"):
         target_config.pop(key, None)
-    target_config["num_hidden_layers"] = args.borrowed_layers + args.trained_layers
+    target_config["num_hidden_layers"] = args.borrowed_layers + trained_layers
     config = DraftLlamaConfig(draft_vocab_size=len(vocab), borrowed_layers=args.borrowed_layers, borrows_from=NAME, **target_config)
     torch.manual_seed(args.seed)
     draft = DraftLlamaForCausalLM(config).float()
     borrow_from_target(draft, str(target_folder()))
-    init_from_target(draft, vocab, [int(i) for i in args.init_layers.split(",")] if args.init_layers else [])
+    init_from_target(draft, vocab, init_layers)
     draft.lm_head.token_ids.copy_(vocab)
     return draft
+
+
+def layer_list(text: str) -> list[int]:
+    return [int(i) for i in text.split(",")] if text else []
 
 
 def init_from_target(draft, vocab: torch.Tensor, init_layers: list[int]) -> None:
@@ -212,12 +218,41 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 
 
 def stage_train(args, rows: list[dict], vocab: torch.Tensor):
-    """Fixed-step AdamW distillation, checkpointed and resumable; returns the trained draft."""
+    """The draft at its first depth, distilled from the target's layers; returns it trained."""
+    draft = build_draft(args, vocab, args.trained_layers, layer_list(args.init_layers))
+    return distill(args, draft, rows, vocab, args.work / "draft.ckpt", args.steps, args.lr, batch_seed=args.seed)
+
+
+def stage_grow(args, rows: list[dict], vocab: torch.Tensor, trained):
+    """The trained draft made deeper, then distilled further; returns it trained.
+
+    The new layers go right after the borrowed ones and start as the target's layers
+    `--grow-layers` with their output projections (o_proj, down_proj) zeroed: each adds nothing
+    to the residual stream at first, so the grown draft starts out computing exactly what the
+    trained one does, and training builds on it instead of starting over.
+    """
+    new_layers = layer_list(args.grow_layers)
+    grown = build_draft(args, vocab, args.trained_layers + len(new_layers), new_layers)
+    shift = len(new_layers)
+    state = grown.state_dict()
+    with torch.no_grad():
+        for key, tensor in trained.state_dict().items():
+            if key.startswith("model.layers.") and int(key.split(".")[2]) >= args.borrowed_layers:
+                index = int(key.split(".")[2])
+                key = key.replace(f"layers.{index}.", f"layers.{index + shift}.", 1)
+            state[key].copy_(tensor)
+        for layer in grown.model.layers[args.borrowed_layers : args.borrowed_layers + shift]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    # A different batch seed: the grown draft sees other windows of the data than the first stage's.
+    return distill(args, grown, rows, vocab, args.work / "grown.ckpt", args.grow_steps, args.grow_lr, batch_seed=args.seed + 1)
+
+
+def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path, steps: int, peak_lr: float, batch_seed: int):
+    """Fixed-step AdamW distillation, checkpointed at `checkpoint` and resumed from it."""
     torch.set_num_threads(args.threads)
-    draft = build_draft(args, vocab)
     params = trainable_parameters(draft)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    checkpoint = args.work / "draft.ckpt"
+    optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if checkpoint.exists():
         saved = torch.load(checkpoint)
@@ -229,14 +264,14 @@ def stage_train(args, rows: list[dict], vocab: torch.Tensor):
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["generated_ids"]))
     draft.train()
     started, recent = time.time(), []
-    for step in range(start, args.steps):
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    for step in range(start, steps):
+        generator = torch.Generator().manual_seed(batch_seed * 1_000_003 + step)
         # Rows of similar length share a batch (little padding): a random window of the length order.
         first = int(torch.randint(0, len(order) - args.batch + 1, (1,), generator=generator))
         indices = order[first : first + args.batch]
         input_ids, label_ids, label_logp, mask = make_batch(rows, indices, args.seq, vocab_index)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            group["lr"] = lr_at(step, steps, peak_lr, args.warmup)
         hidden = draft.model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state  # [B, L, H]
         logits = hidden @ draft.lm_head.weight.T  # [B, L, N]
         loss = top_k_kl(logits, label_ids, label_logp, mask)
@@ -246,9 +281,9 @@ def stage_train(args, rows: list[dict], vocab: torch.Tensor):
         optimizer.step()
         recent.append(loss.item())
         if (step + 1) % args.log_every == 0:
-            print(f"step {step + 1}/{args.steps} loss {sum(recent) / len(recent):.4f} ({time.time() - started:.0f} s)", flush=True)
+            print(f"{checkpoint.stem} step {step + 1}/{steps} loss {sum(recent) / len(recent):.4f} ({time.time() - started:.0f} s)", flush=True)
             recent = []
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.save_every == 0 or step + 1 == steps:
             torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, checkpoint.with_suffix(".partial"))
             checkpoint.with_suffix(".partial").replace(checkpoint)
     draft.eval()
@@ -371,6 +406,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=384)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--grow-layers", default="", help="the target layers that new layers, added after the borrowed ones, start from")
+    parser.add_argument("--grow-steps", type=int, default=0, help="steps after growing (0: no grow stage)")
+    parser.add_argument("--grow-lr", type=float, default=3e-4)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--save-every", type=int, default=50)
     # evaluate
@@ -386,6 +424,8 @@ def main(argv=None) -> None:
         vocab = stage_vocab(args, rows)
         if args.stage in ("train", "export", "all"):
             draft = stage_train(args, rows, vocab)
+            if args.grow_steps:
+                draft = stage_grow(args, rows, vocab, draft)
             stage_export(args, draft)
     if args.stage in ("evaluate", "all"):
         stage_evaluate(args)
