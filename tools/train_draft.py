@@ -237,10 +237,10 @@ def stage_grow(args, rows: list[dict], vocab: torch.Tensor, trained):
     state = grown.state_dict()
     with torch.no_grad():
         for key, tensor in trained.state_dict().items():
-            if key.startswith("model.layers.") and int(key.split(".")[2]) >= args.borrowed_layers:
-                index = int(key.split(".")[2])
-                key = key.replace(f"layers.{index}.", f"layers.{index + shift}.", 1)
-            state[key].copy_(tensor)
+            parts = key.split(".")  # model.layers.<index>.<rest>, or not a layer's
+            if key.startswith("model.layers.") and int(parts[2]) >= args.borrowed_layers:
+                parts[2] = str(int(parts[2]) + shift)
+            state[".".join(parts)].copy_(tensor)
         for layer in grown.model.layers[args.borrowed_layers : args.borrowed_layers + shift]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
