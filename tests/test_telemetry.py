@@ -66,6 +66,21 @@ def _spans(exporters, trace_id: str) -> dict[str, list]:
     }
 
 
+def _settled_spans(exporters, trace_id: str, timeout_s: float = 5.0) -> dict[str, list]:
+    """The trace's finished spans once every parent they name has finished too, or at the
+    deadline. A parent can end after its children and after the response reaches the caller:
+    the coordinator's client span of an EndSession after the worker's server span, the
+    request's last spec_rounds summary after its final round."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = _spans(exporters, trace_id)
+        finished = [s for role in ROLES for s in spans[role]]
+        ids = {s.context.span_id for s in finished}
+        if all(s.parent is None or s.parent.span_id in ids for s in finished) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.05)
+
+
 def _ancestors(span, by_id) -> list:
     chain = []
     while span.parent is not None and span.parent.span_id in by_id:
@@ -83,7 +98,7 @@ def test_one_trace_across_three_services(traced):
     assert {trace.format_trace_id(s.context.trace_id) for e in exporters.values() for s in e.get_finished_spans()} == {
         response.trace_id
     }
-    spans = _spans(exporters, response.trace_id)
+    spans = _settled_spans(exporters, response.trace_id)
     for role in ROLES:
         assert {s.resource.attributes["service.name"] for s in spans[role]} == {telemetry.SERVICE_NAMES[role]}
     by_id = {s.context.span_id: s for role in ROLES for s in spans[role]}
@@ -169,7 +184,7 @@ def test_rounds_past_the_cap_fold_into_summary_spans(traced):
         response = stack.stub().Generate(_request(14, k=1), timeout=CALL_TIMEOUT_S)
     finally:
         servicer.config = config
-    spans = _spans(exporters, response.trace_id)
+    spans = _settled_spans(exporters, response.trace_id)
     assert response.stats.rounds > 6
     coordinator = spans["coordinator"]
     assert len([s for s in coordinator if s.name == "spec_round"]) == 3
