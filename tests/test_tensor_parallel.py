@@ -30,10 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.server import start_coordinator
+from specd.batcher import AGAIN
 from specd.sampling import SamplingSettings, SparseDist
 from specd.v1 import common_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
-from specd.batcher import AGAIN
 from target_service.runner import PrefillCall, VerifyCall
 from target_service.config import TargetConfig
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, load_reference, request

@@ -35,10 +35,17 @@ def trained():
     return args, vocab, draft.eval()
 
 
-def test_the_grown_draft_starts_out_as_the_trained_one(trained, monkeypatch):
+@pytest.fixture(scope="module")
+def grown(trained):
+    """The trained draft grown by two layers, before any training step."""
     args, vocab, draft = trained
-    monkeypatch.setattr(train_draft, "distill", lambda args, grown, *rest, **kwargs: grown.eval())
-    grown = train_draft.stage_grow(args, [], vocab, draft)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_draft, "distill", lambda args, grown, *rest, **kwargs: grown.eval())
+        return train_draft.stage_grow(args, [], vocab, draft)
+
+
+def test_the_grown_draft_starts_out_as_the_trained_one(trained, grown):
+    _, _, draft = trained
     assert grown.config.num_hidden_layers == 5 and grown.config.borrowed_layers == 2
     ids = torch.randint(0, 49152, (2, 40), generator=torch.Generator().manual_seed(1))  # [2, 40]
     with torch.no_grad():
@@ -52,10 +59,7 @@ def test_the_grown_draft_starts_out_as_the_trained_one(trained, monkeypatch):
         assert torch.equal(grown_state[moved], tensor), key
 
 
-def test_the_new_layers_start_from_the_named_target_layers(trained, monkeypatch):
-    args, vocab, draft = trained
-    monkeypatch.setattr(train_draft, "distill", lambda args, grown, *rest, **kwargs: grown)
-    grown = train_draft.stage_grow(args, [], vocab, draft)
+def test_the_new_layers_start_from_the_named_target_layers(grown):
     from safetensors import safe_open
 
     from specd.default_target import target_folder
