@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -18,6 +19,7 @@ from draft_service.config import DraftConfig
 from draft_service.server import start_draft
 from specd.v1 import coordinator_pb2_grpc
 from target_service.config import TargetConfig
+from target_service.runner import PrefillCall, VerifyCall
 from target_service.server import start_target
 
 
@@ -122,18 +124,20 @@ GATE_TIMEOUT_S = 60.0  # a held call goes on by itself after this: a failing tes
 
 
 class RunnerGate:
-    """Holds a worker runner's next `name` call on its model thread until released: a fixed point mid-request."""
+    """Holds a worker runner's next `name` call on its model thread until released: a fixed point
+    mid-request. `holds(*args, **kwargs)` picks which calls are held (every one by default)."""
 
-    def __init__(self, runner, name: str):
+    def __init__(self, runner, name: str, holds: Callable[..., bool] | None = None):
         self._runner = runner
         self._name = name
         self._original = getattr(runner, name)
+        self._holds = holds
         self.held = threading.Event()
         self._release = threading.Event()
         setattr(runner, name, self._call)  # the servicer looks the method up on every call
 
     def _call(self, *args, **kwargs):
-        if not self._release.is_set():
+        if not self._release.is_set() and (self._holds is None or self._holds(*args, **kwargs)):
             self.held.set()
             self._release.wait(GATE_TIMEOUT_S)
         return self._original(*args, **kwargs)
@@ -143,8 +147,21 @@ class RunnerGate:
         setattr(self._runner, self._name, self._original)
 
 
+def target_gate(runner, call_type: type) -> RunnerGate:
+    """Holds the target's model thread at its next batch with a `call_type` call in it.
+
+    The target's servicer runs every call through run_batch, and calls that arrive together
+    share one batch without going through prefill() or verify(): a gate on those would let
+    concurrent requests pass whenever they happened to be batched."""
+    return RunnerGate(runner, "run_batch", holds=lambda calls: any(isinstance(call, call_type) for call in calls))
+
+
+def prefill_gate(runner) -> RunnerGate:
+    return target_gate(runner, PrefillCall)
+
+
 def verify_gate(runner) -> RunnerGate:
-    return RunnerGate(runner, "verify")
+    return target_gate(runner, VerifyCall)
 
 
 def count_calls(runner, name: str) -> list[int]:

@@ -1,7 +1,7 @@
 """Admission control end to end: places, the bounded queue, RESOURCE_EXHAUSTED past both, a
 queued request that leaves, sessions and gauges back to zero, and the limit's flags.
 
-The target's prefill is held (tests/stack.py, RunnerGate) so that admitted requests stay
+The target's prefills are held (tests/stack.py, prefill_gate) so that admitted requests stay
 running while the test fills the queue behind them: no test relies on how fast anything runs.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from specd.cli import main
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, request, running_stack
-from tests.stack import RunnerGate
+from tests.stack import prefill_gate
 
 SETTLE_S = 20.0  # the most a gauge or a session count may take to reach what the test waits for
 PROMPT_IDS = [5, 17, 33, 8, 41, 12]
@@ -49,7 +49,7 @@ def _placed(stack, running: int, waiting: int) -> None:
 def held_prefills(tiny_pair, **overrides):
     """A stack whose target holds every prefill until the gate is released (at the latest on exit)."""
     with running_stack(*tiny_pair, **overrides) as stack:
-        gate = RunnerGate(stack.target.servicer.runner, "prefill")
+        gate = prefill_gate(stack.target.servicer.runner)
         try:
             yield stack, stack.stub(), gate
         finally:
@@ -96,6 +96,9 @@ def test_a_burst_past_the_queue_is_refused_and_the_rest_complete(tiny_pair):
             tokens, last = _stream_tokens(call)
             assert last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == 6
             assert last.stats.queue_ms > 0.0  # it waited behind the held requests
+        # A place is held until its request's EndSession calls are answered, which can be after the
+        # caller has its last token: wait for every place to be free, then one is served at once.
+        _placed(stack, running=0, waiting=0)
         after = stub.Generate(_message(), timeout=CALL_TIMEOUT_S)  # served as usual afterwards
         assert after.finish_reason == pb.FINISH_REASON_LENGTH and after.stats.queue_ms == 0.0
         wait_until(lambda: sessions(stack) == (0, 0), "every worker session ended")

@@ -21,7 +21,7 @@ from tests.conftest import (
     request,
     running_stack,
 )
-from tests.stack import RunnerGate
+from tests.stack import RunnerGate, prefill_gate, verify_gate
 
 MAX_NEW = 48
 PROMPTS = [
@@ -92,7 +92,7 @@ def test_first_draft_is_made_while_the_target_prefills(stack, stub, reference, m
     model, _, prompts, greedy = reference
     text = PROMPTS[2]
     calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose_job"))
-    gate = RunnerGate(stack.target.servicer.runner, "prefill")
+    gate = prefill_gate(stack.target.servicer.runner)
     try:
         future = stub.Generate.future(request(prompts[text], mode=mode, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
         first = _first_call_while_held(gate, calls, "target's prefill")
@@ -121,7 +121,7 @@ def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(
         lambda session, start, tokens, draft_tokens, *a, **kw: verifies.append((start, list(tokens), list(draft_tokens)))
         or original_verify(session, start, tokens, draft_tokens, *a, **kw),
     )
-    gate = RunnerGate(target_runner, "verify")
+    gate = verify_gate(target_runner)
     try:
         future = stub.Generate.future(
             request(prompts[text], mode=pb.SPECULATION_MODE_SSD, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S
