@@ -120,6 +120,16 @@ class ServiceStack:
         self._thread.join(timeout=5)
 
 
+def wait_for(condition, timeout_s: float, every_s: float = 0.02) -> bool:
+    """Polls `condition` until it holds or `timeout_s` passes; whether it held at the end."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every_s)
+    return condition()
+
+
 GATE_TIMEOUT_S = 60.0  # a held call goes on by itself after this: a failing test never hangs
 
 

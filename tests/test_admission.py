@@ -8,7 +8,6 @@ running while the test fills the queue behind them: no test relies on how fast a
 from __future__ import annotations
 
 import contextlib
-import time
 
 import grpc
 import pytest
@@ -16,18 +15,15 @@ import pytest
 from specd.cli import main
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, request, running_stack
-from tests.stack import prefill_gate
+from tests.stack import prefill_gate, wait_for
 
 SETTLE_S = 20.0  # the most a gauge or a session count may take to reach what the test waits for
 PROMPT_IDS = [5, 17, 33, 8, 41, 12]
 
 
 def wait_until(condition, what: str, within_s: float = SETTLE_S) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within_s:.0f} s: {what}")
-        time.sleep(0.02)
+    if not wait_for(condition, within_s):
+        raise AssertionError(f"not within {within_s:.0f} s: {what}")
 
 
 def gauge(stack, name: str) -> float:

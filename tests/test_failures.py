@@ -25,7 +25,7 @@ from tests.conftest import (
     request,
     running_stack,
 )
-from tests.stack import RunnerGate, ServiceStack, count_calls, verify_gate
+from tests.stack import RunnerGate, ServiceStack, count_calls, verify_gate, wait_for
 
 PROMPT = "def add(a, b):"
 # "Promptly": the deadline of calls that must fail UNAVAILABLE (a hang ends DEADLINE_EXCEEDED).
@@ -49,15 +49,6 @@ def stack(tiny_pair):
 
 def _sessions(service) -> int:
     return len(service.servicer.runner.sessions)
-
-
-def _wait_for(condition, timeout_s: float, every_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(every_s)
-    return condition()
 
 
 def test_draft_down_falls_back_to_target_only_then_recovers(stack, reference):
@@ -118,7 +109,7 @@ def test_draft_restart_mid_request_keeps_the_result_exact(stack, reference):
     assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:200])
     assert proposals[0] > 0, "the request never used the restarted draft"
     assert final.stats.mode == pb.SPECULATION_MODE_SD
-    assert _wait_for(lambda: _sessions(stack.draft) == 0 and _sessions(stack.target) == 0, 1.0)
+    assert wait_for(lambda: _sessions(stack.draft) == 0 and _sessions(stack.target) == 0, 1.0)
 
 
 def test_lost_target_session_mid_request_is_resent(stack, reference):
@@ -222,7 +213,7 @@ def test_cancelled_stream_frees_sessions_on_both_workers(stack, reference, after
     call = stub.GenerateStream(request(ids, max_new_tokens=400, k=4), timeout=CALL_TIMEOUT_S)
     if after_messages == 0:
         # As soon as both workers hold the session (during or right after the prefill).
-        assert _wait_for(lambda: _sessions(stack.target) == 1 and _sessions(stack.draft) == 1, 5.0)
+        assert wait_for(lambda: _sessions(stack.target) == 1 and _sessions(stack.draft) == 1, 5.0)
     for _ in range(after_messages):
         next(call)
     gate = None
@@ -234,7 +225,7 @@ def test_cancelled_stream_frees_sessions_on_both_workers(stack, reference, after
     if gate is not None:
         time.sleep(0.1)
         gate.release()
-    assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0), (
+    assert wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0), (
         f"sessions left: target {_sessions(stack.target)}, draft {_sessions(stack.draft)}"
     )
     # And they stay freed: nothing in flight re-creates them.
@@ -248,14 +239,14 @@ def test_cancelled_unary_requests_free_sessions(stack, reference):
     _, ids, _ = reference
     stub = stack.stub()
     futures = [stub.Generate.future(request(ids, max_new_tokens=400, k=k), timeout=CALL_TIMEOUT_S) for k in (1, 4)]
-    assert _wait_for(lambda: _sessions(stack.target) == 2, 5.0)
+    assert wait_for(lambda: _sessions(stack.target) == 2, 5.0)
     gate = verify_gate(stack.target.servicer.runner)
     assert gate.held.wait(5.0)
     for future in futures:
         future.cancel()
     time.sleep(0.1)
     gate.release()
-    assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
+    assert wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
 
 
 def test_client_deadline_frees_sessions(stack, reference):
@@ -267,7 +258,7 @@ def test_client_deadline_frees_sessions(stack, reference):
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert gate.held.is_set()
     gate.release()
-    assert _wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
+    assert wait_for(lambda: _sessions(stack.target) == 0 and _sessions(stack.draft) == 0, 1.0)
 
 
 @pytest.mark.parametrize("worker", ["draft", "target"])

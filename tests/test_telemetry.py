@@ -19,7 +19,7 @@ from opentelemetry.trace import StatusCode
 from specd import telemetry
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, running_stack
-from tests.stack import slow_verify
+from tests.stack import slow_verify, wait_for
 from tests.tracing import ROLES, in_memory_tracing
 
 OTEL_VARS = (
@@ -71,14 +71,14 @@ def _settled_spans(exporters, trace_id: str, timeout_s: float = 5.0) -> dict[str
     deadline. A parent can end after its children and after the response reaches the caller:
     the coordinator's client span of an EndSession after the worker's server span, the
     request's last spec_rounds summary after its final round."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = _spans(exporters, trace_id)
-        finished = [s for role in ROLES for s in spans[role]]
-        ids = {s.context.span_id for s in finished}
-        if all(s.parent is None or s.parent.span_id in ids for s in finished) or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.05)
+    wait_for(lambda: _parents_finished(_spans(exporters, trace_id)), timeout_s, every_s=0.05)
+    return _spans(exporters, trace_id)
+
+
+def _parents_finished(spans: dict[str, list]) -> bool:
+    finished = [s for role in ROLES for s in spans[role]]
+    ids = {s.context.span_id for s in finished}
+    return all(s.parent is None or s.parent.span_id in ids for s in finished)
 
 
 def _ancestors(span, by_id) -> list:
