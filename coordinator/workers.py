@@ -219,7 +219,10 @@ class TargetLink:
             raise self._error(exc) from None
 
     async def end_session(self, session_id: str) -> None:
-        await self._stub.EndSession(target_pb2.TargetEndSessionRequest(session_id=session_id), metadata=self._metadata(), timeout=5.0)
+        """End a request's session for good: retire_id, since no request reuses an id, so that a
+        call of the request still on its way is refused instead of opening the session again."""
+        request = target_pb2.TargetEndSessionRequest(session_id=session_id, retire_id=True)
+        await self._stub.EndSession(request, metadata=self._metadata(), timeout=5.0)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -392,7 +395,10 @@ class DraftLink:
         return await self._call(lambda: _synced_call(session, committed, call, time.monotonic() + self.timeout_s))
 
     async def end_session(self, session_id: str) -> None:
-        await self._stub.EndSession(draft_pb2.DraftEndSessionRequest(session_id=session_id), metadata=self._metadata(), timeout=5.0)
+        """End a request's session for good: retire_id, since no request reuses an id, so that a
+        call of the request still on its way is refused instead of opening the session again."""
+        request = draft_pb2.DraftEndSessionRequest(session_id=session_id, retire_id=True)
+        await self._stub.EndSession(request, metadata=self._metadata(), timeout=5.0)
 
     async def close(self) -> None:
         self.stop_probe()

@@ -36,7 +36,8 @@ async def start_draft(config: DraftConfig, interceptors: list | None = None, tra
         "draft",
         config,
         lambda thread: DraftServicer(
-            thread, config.max_speculate_branches, config.max_speculate_depth, config.max_batch_size, config.batch_wait_ms
+            thread, config.max_speculate_branches, config.max_speculate_depth, config.max_batch_size, config.batch_wait_ms,
+            config.retired_session_memory_s,
         ),
         draft_pb2_grpc.add_DraftWorkerServicer_to_server,
         SERVICE_NAME,

@@ -14,7 +14,7 @@ from specd.serving import InvalidRequest, ModelThread, abort_on_error
 from specd.step_batcher import StepBatcher
 from specd.telemetry import set_specd, worker_span
 from specd.v1 import draft_pb2, draft_pb2_grpc
-from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
+from specd.wire import check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
 from specd.worker_servicer import WorkerServicer, common_info
 
 
@@ -34,11 +34,19 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
     prefill_response = draft_pb2.DraftPrefillResponse
     end_session_response = draft_pb2.DraftEndSessionResponse
 
-    def __init__(self, thread: ModelThread, max_branches: int, max_depth: int, max_batch_size: int = 16, batch_wait_ms: float = 0.0):
+    def __init__(
+        self,
+        thread: ModelThread,
+        max_branches: int,
+        max_depth: int,
+        max_batch_size: int = 16,
+        batch_wait_ms: float = 0.0,
+        retired_session_memory_s: float = 30.0,
+    ):
         """max_branches: most branches per Speculate; max_depth: most draft tokens per Propose,
         per Speculate branch, and verified beside one Speculate; max_batch_size: most sessions
         one forward serves (DraftConfig)."""
-        super().__init__(thread)
+        super().__init__(thread, retired_session_memory_s)
         self._max_branches = max_branches
         self._max_depth = max_depth
         self._max_batch_size = max_batch_size
@@ -76,7 +84,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
         try:
             runner = self._ready_runner()
             loaded = runner.loaded
-            check_session_id(request.session_id)
+            self._check_open_session_id(request.session_id)
             if not 1 <= request.num_tokens <= self._max_depth:
                 raise InvalidRequest(f"num_tokens must lie in [1, {self._max_depth}], got {request.num_tokens}")
             tokens = check_committed(
@@ -129,7 +137,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
     def _check_speculate(self, request) -> _SpeculateCall:
         runner = self._ready_runner()
         loaded = runner.loaded
-        check_session_id(request.session_id)
+        self._check_open_session_id(request.session_id)
         draft_tokens, fanout = self._check_speculate_size(request, loaded.vocab_size)
         tokens = check_committed(
             request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens

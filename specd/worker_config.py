@@ -22,6 +22,11 @@ class WorkerConfig:
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
+    retired_session_memory_s: float = setting(
+        30.0,
+        "refuse calls for a session id this long after an EndSession retired it (retire_id, as the coordinator "
+        "ends a request's sessions): the late calls of a cancelled request (0: remember nothing)",
+    )
     max_batch_size: int = setting(16, "most sessions one forward serves together (1: no batching)")
     batch_wait_ms: float = setting(10.0, "most time a forward waits for the previous batch's sessions to send their next calls (0: none)")
     tls_cert_file: str = setting("", "PEM certificate (chain) the gRPC server presents: serve TLS (with --tls-key-file)")
@@ -40,4 +45,6 @@ class WorkerConfig:
             raise ConfigError("--batch-wait-ms must be >= 0")
         if self.session_idle_timeout_s <= 0:
             raise ConfigError("--session-idle-timeout-s must be > 0")
+        if self.retired_session_memory_s < 0:
+            raise ConfigError("--retired-session-memory-s must be >= 0")
         check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

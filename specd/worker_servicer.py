@@ -6,6 +6,7 @@ Speculate; Verify and VerifyAfter) and names its response messages.
 
 from __future__ import annotations
 
+from specd.retired_sessions import RetiredSessions
 from specd.serving import ModelLoading, ModelThread, abort_on_error
 from specd.telemetry import get_tracer
 from specd.wire import check_committed, check_id_length, check_session_id
@@ -14,8 +15,9 @@ from specd.wire import check_committed, check_id_length, check_session_id
 class WorkerServicer:
     """A model worker's servicer: its requests run on `thread`, once `runner` is loaded."""
 
-    def __init__(self, thread: ModelThread):
+    def __init__(self, thread: ModelThread, retired_session_memory_s: float = 30.0):
         self._thread = thread
+        self.retired = RetiredSessions(retired_session_memory_s)  # their late calls are refused
         self.runner = None  # set once the model is loaded (start_worker)
         self.tracer = get_tracer(None)  # the service's tracer and metrics, set by start_worker
         self.metrics = None
@@ -30,6 +32,12 @@ class WorkerServicer:
 
     def _forget(self, session_id: str) -> None:
         """Drop what this worker holds for a session besides its KV cache (EndSession)."""
+
+    def _check_open_session_id(self, session_id: str) -> None:
+        """A well-formed id that no EndSession retired lately (specd/retired_sessions.py): a call
+        that may open its session checks this before it is queued."""
+        check_session_id(session_id)
+        self.retired.check(session_id)
 
     def _ready_runner(self):
         """The loaded runner; ModelLoading (UNAVAILABLE) until the model is loaded and warm."""
@@ -48,7 +56,7 @@ class WorkerServicer:
     async def Prefill(self, request, context):
         try:
             runner = self._ready_runner()
-            check_session_id(request.session_id)
+            self._check_open_session_id(request.session_id)
             tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
             cached, forward_ms = await self._thread.run(
                 runner.prefill, request.session_id, request.committed.start, tokens
@@ -63,6 +71,8 @@ class WorkerServicer:
             runner = self._ready_runner()
             # Only its length: ending a session id that never existed answers existed=False.
             check_id_length(request.session_id, "session_id")
+            if request.retire_id:
+                self.retired.add(request.session_id)
             self._forget(request.session_id)
             existed = await self._thread.run(runner.end_session, request.session_id)
         except Exception as exc:  # noqa: BLE001

@@ -14,7 +14,7 @@ from specd.serving import InvalidRequest, ModelThread, abort_on_error
 from specd.session_cache import SessionNotFound
 from specd.telemetry import set_specd, worker_span
 from specd.v1 import target_pb2, target_pb2_grpc
-from specd.wire import check_session_id, check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
+from specd.wire import check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from specd.worker_servicer import WorkerServicer, common_info
 from target_service.outcomes import VerifyOutcomes
 from target_service.runner import PrefillCall, TargetModelRunner, VerifyCall, VerifyOutcome
@@ -37,9 +37,15 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     end_session_response = target_pb2.TargetEndSessionResponse
 
     def __init__(
-        self, thread: ModelThread, verify_after_wait_s: float, tensor_parallel: int = 1, max_batch_size: int = 16, batch_wait_ms: float = 0.0
+        self,
+        thread: ModelThread,
+        verify_after_wait_s: float,
+        tensor_parallel: int = 1,
+        max_batch_size: int = 16,
+        batch_wait_ms: float = 0.0,
+        retired_session_memory_s: float = 30.0,
     ):
-        super().__init__(thread)
+        super().__init__(thread, retired_session_memory_s)
         self._tensor_parallel = tensor_parallel
         self._verify_after_wait_s = verify_after_wait_s  # the longest a VerifyAfter waits (TargetConfig)
         self._verifying: collections.Counter[str] = collections.Counter()  # Verify calls in flight per session
@@ -95,7 +101,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     def _check_verify_after(self, runner: TargetModelRunner, request) -> None:
         """A VerifyAfter's choices continue its session where it says, in a session this worker
         knows: one that waited on a verify never sent would wait for good."""
-        check_session_id(request.session_id)
+        self._check_open_session_id(request.session_id)
         for i, choice in enumerate(request.choices):
             if choice.verify.session_id != request.session_id or choice.verify.committed.start != request.after:
                 raise InvalidRequest(
@@ -131,7 +137,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     def _prepare(self, runner: TargetModelRunner, request) -> VerifyCall:
         """A VerifyRequest checked against the model, as the runner takes it."""
         loaded = runner.loaded
-        check_session_id(request.session_id)
+        self._check_open_session_id(request.session_id)
         num_draft = len(request.draft_tokens)
         tokens = check_committed(request.committed, loaded.vocab_size, loaded.context_length, num_draft)
         draft_tokens = check_token_ids(request.draft_tokens, loaded.vocab_size, "draft_tokens")
@@ -151,7 +157,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         """The prompt's prefill, batched with the verifies and prefills of other sessions."""
         try:
             runner = self._ready_runner()
-            check_session_id(request.session_id)
+            self._check_open_session_id(request.session_id)
             tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
             call = PrefillCall(request.session_id, request.committed.start, tokens)
             cached, forward_ms = await asyncio.wrap_future(self._batcher.submit(call))

@@ -41,7 +41,7 @@ async def start_target(
         config,
         lambda thread: TargetServicer(
             thread, config.verify_after_wait_s, tensor_parallel=config.tensor_parallel, max_batch_size=config.max_batch_size,
-            batch_wait_ms=config.batch_wait_ms,
+            batch_wait_ms=config.batch_wait_ms, retired_session_memory_s=config.retired_session_memory_s,
         ),
         target_pb2_grpc.add_TargetWorkerServicer_to_server,
         SERVICE_NAME,

@@ -114,10 +114,12 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class DraftEndSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "retire_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RETIRE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    retire_id: bool
+    def __init__(self, session_id: _Optional[str] = ..., retire_id: _Optional[bool] = ...) -> None: ...
 
 class DraftEndSessionResponse(_message.Message):
     __slots__ = ("existed",)

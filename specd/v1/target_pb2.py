@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"X\n\x14TargetPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\"B\n\x15TargetPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\"\xdf\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\"\xa5\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x30\n\x0fnext_token_kind\x18\x03 \x01(\x0e\x32\x17.specd.v1.NextTokenKind\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x12\n\nforward_ms\x18\x05 \x01(\x02\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"]\n\x0cVerifyChoice\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\'\n\x06verify\x18\x03 \x01(\x0b\x32\x17.specd.v1.VerifyRequest\"`\n\x12VerifyAfterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\r\x12\'\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x16.specd.v1.VerifyChoice\"P\n\x13VerifyAfterResponse\x12\x0f\n\x07matched\x18\x01 \x01(\x08\x12(\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specd.v1.VerifyResponse\"-\n\x17TargetEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x18TargetEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x13\n\x11TargetInfoRequest\"\xff\x01\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x32\n\x10\x64\x65\x66\x61ult_sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x14\n\x0cmax_sessions\x18\n \x01(\r*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x01\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x02\x32\xf3\x02\n\x0cTargetWorker\x12J\n\x07Prefill\x12\x1e.specd.v1.TargetPrefillRequest\x1a\x1f.specd.v1.TargetPrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12J\n\x0bVerifyAfter\x12\x1c.specd.v1.VerifyAfterRequest\x1a\x1d.specd.v1.VerifyAfterResponse\x12S\n\nEndSession\x12!.specd.v1.TargetEndSessionRequest\x1a\".specd.v1.TargetEndSessionResponse\x12\x39\n\x04Info\x12\x1b.specd.v1.TargetInfoRequest\x1a\x14.specd.v1.TargetInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"X\n\x14TargetPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\"B\n\x15TargetPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\"\xdf\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12,\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.specd.v1.CommittedTokens\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12\x31\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\"\xa5\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x30\n\x0fnext_token_kind\x18\x03 \x01(\x0e\x32\x17.specd.v1.NextTokenKind\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x12\n\nforward_ms\x18\x05 \x01(\x02\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"]\n\x0cVerifyChoice\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\'\n\x06verify\x18\x03 \x01(\x0b\x32\x17.specd.v1.VerifyRequest\"`\n\x12VerifyAfterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\r\x12\'\n\x07\x63hoices\x18\x03 \x03(\x0b\x32\x16.specd.v1.VerifyChoice\"P\n\x13VerifyAfterResponse\x12\x0f\n\x07matched\x18\x01 \x01(\x08\x12(\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specd.v1.VerifyResponse\"@\n\x17TargetEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tretire_id\x18\x02 \x01(\x08\"+\n\x18TargetEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x13\n\x11TargetInfoRequest\"\xff\x01\n\nTargetInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x32\n\x10\x64\x65\x66\x61ult_sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x17\n\x0ftensor_parallel\x18\x08 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x14\n\x0cmax_sessions\x18\n \x01(\r*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x01\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x02\x32\xf3\x02\n\x0cTargetWorker\x12J\n\x07Prefill\x12\x1e.specd.v1.TargetPrefillRequest\x1a\x1f.specd.v1.TargetPrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12J\n\x0bVerifyAfter\x12\x1c.specd.v1.VerifyAfterRequest\x1a\x1d.specd.v1.VerifyAfterResponse\x12S\n\nEndSession\x12!.specd.v1.TargetEndSessionRequest\x1a\".specd.v1.TargetEndSessionResponse\x12\x39\n\x04Info\x12\x1b.specd.v1.TargetInfoRequest\x1a\x14.specd.v1.TargetInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NEXTTOKENKIND']._serialized_start=1256
-  _globals['_NEXTTOKENKIND']._serialized_end=1362
+  _globals['_NEXTTOKENKIND']._serialized_start=1275
+  _globals['_NEXTTOKENKIND']._serialized_end=1381
   _globals['_TARGETPREFILLREQUEST']._serialized_start=58
   _globals['_TARGETPREFILLREQUEST']._serialized_end=146
   _globals['_TARGETPREFILLRESPONSE']._serialized_start=148
@@ -49,13 +49,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYAFTERRESPONSE']._serialized_start=803
   _globals['_VERIFYAFTERRESPONSE']._serialized_end=883
   _globals['_TARGETENDSESSIONREQUEST']._serialized_start=885
-  _globals['_TARGETENDSESSIONREQUEST']._serialized_end=930
-  _globals['_TARGETENDSESSIONRESPONSE']._serialized_start=932
-  _globals['_TARGETENDSESSIONRESPONSE']._serialized_end=975
-  _globals['_TARGETINFOREQUEST']._serialized_start=977
-  _globals['_TARGETINFOREQUEST']._serialized_end=996
-  _globals['_TARGETINFO']._serialized_start=999
-  _globals['_TARGETINFO']._serialized_end=1254
-  _globals['_TARGETWORKER']._serialized_start=1365
-  _globals['_TARGETWORKER']._serialized_end=1736
+  _globals['_TARGETENDSESSIONREQUEST']._serialized_end=949
+  _globals['_TARGETENDSESSIONRESPONSE']._serialized_start=951
+  _globals['_TARGETENDSESSIONRESPONSE']._serialized_end=994
+  _globals['_TARGETINFOREQUEST']._serialized_start=996
+  _globals['_TARGETINFOREQUEST']._serialized_end=1015
+  _globals['_TARGETINFO']._serialized_start=1018
+  _globals['_TARGETINFO']._serialized_end=1273
+  _globals['_TARGETWORKER']._serialized_start=1384
+  _globals['_TARGETWORKER']._serialized_end=1755
 # @@protoc_insertion_point(module_scope)

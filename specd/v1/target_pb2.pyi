@@ -94,10 +94,12 @@ class VerifyAfterResponse(_message.Message):
     def __init__(self, matched: _Optional[bool] = ..., verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
 class TargetEndSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "retire_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RETIRE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    retire_id: bool
+    def __init__(self, session_id: _Optional[str] = ..., retire_id: _Optional[bool] = ...) -> None: ...
 
 class TargetEndSessionResponse(_message.Message):
     __slots__ = ("existed",)
