@@ -4,11 +4,13 @@ own continuations of them with its top-k log-probabilities at every position.
 Everything here is rebuilt offline from the stdlib this interpreter ships. Files are split by
 the sha1 of their relative path, so a held-out file never lends a prompt to training.
 
-Prompts come in two kinds, as the server is used:
+Prompts come in three kinds, as the server is used:
 - code: a window of a stdlib file, cut at a line start, continued as plain text;
 - chat: one user message (sometimes after a system message) that the recipe writes from a
   function or class of the stdlib: write it from its docstring, explain its source, document
-  it, test it; rendered with the target's chat template.
+  it, test it; rendered with the target's chat template;
+- self: one user message that the target itself writes when given the template's start of a
+  user turn (the requests it was tuned to answer: code, prose, questions), rendered the same way.
 
 A shard is a batch of prompts continued together by the target, greedily or sampled as the
 shard's seed decides. It stores, per sequence, the prompt ids, the generated ids and the
@@ -36,8 +38,9 @@ SYSTEM_MESSAGES = (
 )
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+def stdlib_root(explicit: Path | None = None) -> Path:
+    """`explicit` if given (another interpreter's stdlib, to rebuild that data), else this interpreter's."""
+    return explicit if explicit is not None else Path(sysconfig.get_paths()["stdlib"])
 
 
 def stdlib_files(root: Path) -> list[str]:
@@ -56,9 +59,9 @@ def is_heldout(relative_path: str, percent: int) -> bool:
     return digest % 100 < percent
 
 
-def read_split(heldout_percent: int, heldout: bool) -> dict[str, str]:
-    """{relative path: source} for one side of the split."""
-    root = stdlib_root()
+def read_split(heldout_percent: int, heldout: bool, root: Path | None = None) -> dict[str, str]:
+    """{relative path: source} for one side of the split of the stdlib at `root` (default: this interpreter's)."""
+    root = stdlib_root(root)
     sources = {}
     for rel in stdlib_files(root):
         if is_heldout(rel, heldout_percent) != heldout:
@@ -148,22 +151,60 @@ def all_definitions(sources: dict[str, str]) -> list[dict]:
     return [d for rel in sorted(sources) for d in documented_definitions(module_name(rel), sources[rel])]
 
 
-def make_prompts(tokenizer, sources: dict[str, str], definitions: list[dict], count: int, seed: int, chat_fraction: float, max_prompt_tokens: int) -> list[dict]:
-    """`count` prompts ({"kind", "text"}, text already rendered for chat) from `sources`."""
+def make_prompts(tokenizer, sources: dict[str, str], definitions: list[dict], count: int, seed: int, chat_fraction: float, max_prompt_tokens: int, self_fraction: float = 0.0) -> list[dict]:
+    """`count` prompts ({"kind", "text"}, text already rendered for chat) from `sources`.
+
+    A "self" prompt's text is None: the target writes its user message (write_self_chats).
+    """
     rng = random.Random(seed)
     paths = sorted(sources)
     prompts = []
     while len(prompts) < count:
-        if rng.random() < chat_fraction:
+        draw = rng.random()
+        if draw < chat_fraction:
             messages = chat_messages(rng.choice(definitions), rng)
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             kind = "chat"
+        elif draw < chat_fraction + self_fraction:
+            prompts.append({"kind": "self", "text": None})
+            continue
         else:
             text = code_prompt(sources[rng.choice(paths)], rng)
             kind = "code"
         if 0 < len(tokenizer(text)["input_ids"]) <= max_prompt_tokens:
             prompts.append({"kind": kind, "text": text})
     return prompts
+
+
+def user_turn_prefix(tokenizer) -> str:
+    """The chat template's text before a first user message's content (its default system message included)."""
+    marker = "\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return text[: text.index(marker)]
+
+
+def write_self_chats(model, tokenizer, prompts: list[dict], definitions: list[dict], seed: int, max_message_tokens: int = 96) -> None:
+    """Fill in the "self" prompts: the target, given the template's start of a user turn, writes
+    the user's message itself (sampled at temperature 1, top-p 0.95), which is then rendered as
+    a chat prompt. These are requests of the kinds the instruct model was tuned on, far wider
+    than the stdlib's. A message that does not end within `max_message_tokens`, or is too short
+    to be a request, gives way to a stdlib chat prompt."""
+    wanted = [p for p in prompts if p["kind"] == "self"]
+    if not wanted:
+        return
+    end_of_turn = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    prefix = tokenizer(user_turn_prefix(tokenizer))["input_ids"]
+    rows = continue_batch(model, [prefix] * len(wanted), max_message_tokens, 1.0, 0.95, 1, {end_of_turn}, tokenizer.pad_token_id, seed)
+    rng = random.Random(seed)
+    for prompt, row in zip(wanted, rows):
+        ids = row["generated_ids"]
+        message = tokenizer.decode(ids[:-1]).strip() if ids and ids[-1] == end_of_turn else ""
+        if len(ids) > 4 and message:
+            messages = [{"role": "user", "content": message}]
+        else:
+            messages = chat_messages(rng.choice(definitions), rng)
+            prompt["kind"] = "chat"
+        prompt["text"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def choose_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -180,43 +221,93 @@ def choose_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 @torch.inference_mode()
 def continue_batch(model, prompt_ids: list[list[int]], new_tokens: int, temperature: float, top_p: float, topk: int, eos_ids: set[int], pad_id: int, seed: int) -> list[dict]:
-    """Continue every prompt (left-padded into one batch); keep the target's top-k log-probs."""
-    generator = torch.Generator().manual_seed(seed)
+    """Continue every prompt (left-padded into one batch); keep the target's top-k log-probs.
+
+    On the CPU each prompt is prefilled alone (padding would cost compute); on an accelerator
+    the whole batch is prefilled in one forward (see _prefill_padded). The rows come back on the CPU.
+    """
+    device = model.device
+    generator = torch.Generator(device=device).manual_seed(seed)
     batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
-    cache, prompt_top, last_hidden = _prefill_rows(model, prompt_ids, width, topk)
-    mask = torch.zeros((batch, width), dtype=torch.long)  # [B, L]
+    prefill = _prefill_rows if device.type == "cpu" else _prefill_padded
+    cache, prompt_top, last_hidden = prefill(model, prompt_ids, width, topk)
+    mask = torch.zeros((batch, width), dtype=torch.long, device=device)  # [B, L]
     for row, ids in enumerate(prompt_ids):
         mask[row, width - len(ids):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    last_position = torch.tensor([len(ids) - 1 for ids in prompt_ids], device=device)  # [B]
     logits = model.lm_head(last_hidden)  # [B, V]
-    generated: list[list[int]] = [[] for _ in range(batch)]
-    gen_values: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    gen_indices: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool)
-    last_position = positions[:, -1]  # [B]
-    for _ in range(new_tokens):
+    tokens = torch.full((batch, new_tokens), pad_id if pad_id is not None else 0, dtype=torch.long, device=device)  # [B, T]
+    top_values = torch.zeros((batch, new_tokens, topk), dtype=torch.float16, device=device)  # [B, T, k]
+    top_indices = torch.zeros((batch, new_tokens, topk), dtype=torch.int32, device=device)  # [B, T, k]
+    eos = torch.tensor(sorted(eos_ids), device=device)  # [E]
+    done = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
+    steps = 0
+    for step in range(new_tokens):
         values, indices = _topk_logprobs(logits, topk)  # [B, k] each
         token = choose_next(logits.float(), temperature, top_p, generator)  # [B]
-        for row in range(batch):
-            if not done[row]:
-                generated[row].append(int(token[row]))
-                gen_values[row].append(values[row])
-                gen_indices[row].append(indices[row])
-                done[row] = int(token[row]) in eos_ids
-        if bool(done.all()):
+        tokens[:, step], top_values[:, step], top_indices[:, step] = token, values.half(), indices.int()
+        done |= torch.isin(token, eos)
+        steps = step + 1
+        # Asking whether every row is done waits for the device: on an accelerator, ask every 8th step.
+        if (device.type == "cpu" or step % 8 == 7) and bool(done.all()):
             break
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)  # [B, L+t]
+        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=-1)  # [B, L+t]
         last_position = last_position + 1
         out = model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=last_position.unsqueeze(-1), past_key_values=cache, use_cache=True)
         logits = out.logits[:, -1]  # [B, V]
+    # A row's continuation ends at its first end-of-sequence token, which it keeps.
+    is_eos = torch.isin(tokens[:, :steps], eos)  # [B, steps]
+    lengths = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, steps).tolist()  # [B]
+    tokens, top_values, top_indices = tokens.cpu(), top_values.cpu(), top_indices.cpu()
     rows = []
     for row, ids in enumerate(prompt_ids):
+        n = lengths[row]
         # Position i's distribution predicts token i+1: the prompt's rows 0..n-2 are teacher-forced,
         # row n-1 predicts the first generated token, which the generation rows cover.
-        values = torch.cat([prompt_top[row][0][:-1], torch.stack(gen_values[row])])  # [n-1+g, k]
-        indices = torch.cat([prompt_top[row][1][:-1], torch.stack(gen_indices[row])])
-        rows.append({"prompt_ids": ids, "generated_ids": generated[row], "top_logprobs": values.half(), "top_ids": indices.int()})
+        values = torch.cat([prompt_top[row][0][:-1].half().cpu(), top_values[row, :n]])  # [n-1+g, k]
+        indices = torch.cat([prompt_top[row][1][:-1].int().cpu(), top_indices[row, :n]])
+        rows.append({"prompt_ids": ids, "generated_ids": tokens[row, :n].tolist(), "top_logprobs": values, "top_ids": indices})
     return rows
+
+
+def _prefill_padded(model, prompt_ids: list[list[int]], width: int, topk: int, rows_per_chunk: int = 16):
+    """Prefill the whole batch in one forward, for an accelerator. Same returns as _prefill_rows.
+
+    The prompts are right-padded for the forward (a left pad's queries would attend to nothing,
+    which some attention kernels answer with NaN), then each row's keys and values are rolled to
+    the left-padded layout the decode steps use; rotary positions come from position_ids, so a
+    roll moves them unchanged, and the pad slots are zeroed (the mask hides them).
+    """
+    from transformers import DynamicCache
+
+    device = model.device
+    batch = len(prompt_ids)
+    lengths = torch.tensor([len(ids) for ids in prompt_ids], device=device)  # [B]
+    input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)  # [B, L]
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, : len(ids)] = torch.tensor(ids, device=device)
+    right_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()  # [B, L]
+    positions = torch.arange(width, device=device).expand(batch, width)  # [B, L]
+    filled = DynamicCache()
+    hidden = model.model(input_ids=input_ids, attention_mask=right_mask, position_ids=positions, past_key_values=filled, use_cache=True).last_hidden_state  # [B, L, H]
+    prompt_top = []
+    for first in range(0, batch, rows_per_chunk):
+        values, indices = _topk_logprobs(model.lm_head(hidden[first : first + rows_per_chunk]), topk)  # [c, L, k] each
+        for offset in range(values.shape[0]):
+            n = len(prompt_ids[first + offset])
+            prompt_top.append((values[offset, :n], indices[offset, :n]))
+    last = hidden[torch.arange(batch, device=device), lengths - 1]  # [B, H]
+    pad = width - lengths  # [B]
+    source = (torch.arange(width, device=device)[None, :] - pad[:, None]) % width  # [B, L]: left slot <- right slot
+    left_valid = torch.arange(width, device=device)[None, :] >= pad[:, None]  # [B, L]
+    cache = DynamicCache()
+    for index, layer in enumerate(filled.layers):
+        gather = source[:, None, :, None].expand_as(layer.keys)  # [B, heads, L, D]
+        keep = left_valid[:, None, :, None]  # [B, 1, L, 1]
+        keys = layer.keys.gather(2, gather) * keep
+        values = layer.values.gather(2, gather) * keep
+        cache.update(keys, values, index)
+    return cache, prompt_top, last
 
 
 def _prefill_rows(model, prompt_ids: list[list[int]], width: int, topk: int):

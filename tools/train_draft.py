@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""specd's recipe for the default draft of SmolLM2-135M-Instruct, offline, on CPU.
+"""specd's recipe for the default draft of SmolLM2-135M-Instruct, offline, on a CPU or a GPU
+(--device: generate and train run there; evaluate always runs on the CPU, as the workers do).
 
 Stages, each resumable and skipped once done (the command that made the committed draft is in
 models/smollm2-draft/README.md):
 
-  generate  the target continues prompts written from the stdlib's training split
-            (tools/draft_data.py), in fixed shards: shard i's prompts and sampling come from a
-            generator seeded by (seed, i); a finished shard is a file and is never redone, so
-            several processes (--worker J --workers P) can share the shards;
+  generate  the target continues prompts written from the stdlib's training split, or written
+            by the target itself (tools/draft_data.py), in fixed shards: shard i's prompts and
+            sampling come from a generator seeded by (seed, i); a finished shard is a file and
+            is never redone, so several processes (--worker J --workers P) can share the shards;
   vocab     the draft's output vocabulary: the N tokens the target emits most in that data;
   train     the draft (specd/draft_model.py: the target's embedding and first layers borrowed,
             frozen; its own layers start as copies of the target's last layers, its head as
@@ -18,8 +19,9 @@ models/smollm2-draft/README.md):
             nothing, see stage_grow) and distilled further, checkpointed the same way;
   export    the committed files: config, its own layers + final norm + head + vocabulary
             (bf16), the target's tokenizer files (run after train, and by it);
-  evaluate  greedy tokens per round at K on held-out prompts (code and chat) and the step
-            times of draft and target at one thread.
+  evaluate  greedy tokens per round at K on held-out prompts (code, chat, and requests the
+            target writes itself from a seed no shard uses) and the step times of draft and
+            target at one thread.
 """
 
 from __future__ import annotations
@@ -40,14 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import draft_data  # noqa: E402
 
 
-def load_target(threads: int):
-    """(model, tokenizer) of the default target, as the target worker loads it."""
+def load_target(threads: int, device: str = "cpu"):
+    """(model, tokenizer) of the default target, as the target worker loads it (fp32), on `device`."""
     from specd.default_pair import DEFAULT_TARGET
     from specd.models import load_causal_lm
 
     torch.set_num_threads(threads)
     loaded = load_causal_lm(DEFAULT_TARGET)
-    return loaded.model, loaded.tokenizer
+    return loaded.model.to(device), loaded.tokenizer
+
+
+def stdlib_folder(args) -> Path | None:
+    return Path(args.stdlib) if args.stdlib else None
 
 
 def shard_plan(args, shard: int) -> dict:
@@ -63,14 +69,19 @@ def stage_generate(args) -> None:
     todo = [i for i in range(args.shards) if i % args.workers == args.worker and not (shards_dir / f"{i:05d}.pt").exists()]
     if not todo:
         return
-    model, tokenizer = load_target(args.threads)
-    sources = draft_data.read_split(args.heldout_percent, heldout=False)
+    if args.device != "cpu":
+        # The target's own fp32 distribution is what the draft learns: no TF32 in its matmuls.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model, tokenizer = load_target(args.threads, args.device)
+    sources = draft_data.read_split(args.heldout_percent, heldout=False, root=stdlib_folder(args))
     definitions = draft_data.all_definitions(sources)
     eos = {int(tokenizer.convert_tokens_to_ids("<|im_end|>")), int(tokenizer.eos_token_id)}
     for shard in todo:
         plan = shard_plan(args, shard)
         started = time.time()
-        prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.shard_size, plan["seed"], args.chat_fraction, args.max_prompt_tokens)
+        prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.shard_size, plan["seed"], args.chat_fraction, args.max_prompt_tokens, args.self_fraction)
+        draft_data.write_self_chats(model, tokenizer, prompts, definitions, plan["seed"] + 1)
         ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
         rows = draft_data.continue_batch(model, ids, args.new_tokens, plan["temperature"], plan["top_p"], args.topk, eos, tokenizer.pad_token_id, plan["seed"])
         for row, prompt in zip(rows, prompts):
@@ -220,7 +231,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 def stage_train(args, rows: list[dict], vocab: torch.Tensor):
     """The draft at its first depth, distilled from the target's layers; returns it trained."""
     draft = build_draft(args, vocab, args.trained_layers, layer_list(args.init_layers))
-    return distill(args, draft, rows, vocab, args.work / "draft.ckpt", args.steps, args.lr, batch_seed=args.seed)
+    return distill(args, draft, rows, vocab, args.work / "draft.ckpt", args.steps, args.lr, batch_seed=args.seed, stop_after=args.stop_after)
 
 
 def stage_grow(args, rows: list[dict], vocab: torch.Tensor, trained):
@@ -248,14 +259,21 @@ def stage_grow(args, rows: list[dict], vocab: torch.Tensor, trained):
     return distill(args, grown, rows, vocab, args.work / "grown.ckpt", args.grow_steps, args.grow_lr, batch_seed=args.seed + 1)
 
 
-def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path, steps: int, peak_lr: float, batch_seed: int):
-    """Fixed-step AdamW distillation, checkpointed at `checkpoint` and resumed from it."""
+def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path, steps: int, peak_lr: float, batch_seed: int, stop_after: int = 0):
+    """Fixed-step AdamW distillation, checkpointed at `checkpoint` and resumed from it.
+
+    `steps` sets the learning-rate schedule; with `stop_after` the run ends after that step of it.
+    """
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the draft's own training: TF32 is plenty
+    draft.to(device)
     params = trainable_parameters(draft)
     optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if checkpoint.exists():
-        saved = torch.load(checkpoint)
+        saved = torch.load(checkpoint, map_location=device)
         draft.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         start = saved["step"]
@@ -264,12 +282,13 @@ def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["generated_ids"]))
     draft.train()
     started, recent = time.time(), []
-    for step in range(start, steps):
+    end = min(steps, stop_after) if stop_after else steps
+    for step in range(start, end):
         generator = torch.Generator().manual_seed(batch_seed * 1_000_003 + step)
         # Rows of similar length share a batch (little padding): a random window of the length order.
         first = int(torch.randint(0, len(order) - args.batch + 1, (1,), generator=generator))
         indices = order[first : first + args.batch]
-        input_ids, label_ids, label_logp, mask = make_batch(rows, indices, args.seq, vocab_index)
+        input_ids, label_ids, label_logp, mask = (t.to(device) for t in make_batch(rows, indices, args.seq, vocab_index))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, peak_lr, args.warmup)
         hidden = draft.model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state  # [B, L, H]
@@ -281,13 +300,13 @@ def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path
         optimizer.step()
         recent.append(loss.item())
         if (step + 1) % args.log_every == 0:
-            print(f"{checkpoint.stem} step {step + 1}/{steps} loss {sum(recent) / len(recent):.4f} ({time.time() - started:.0f} s)", flush=True)
+            print(f"{checkpoint.stem} step {step + 1}/{steps} loss {sum(recent) / len(recent):.4f} ({time.time() - started:.1f} s)", flush=True)
             recent = []
-        if (step + 1) % args.save_every == 0 or step + 1 == steps:
+        if (step + 1) % args.save_every == 0 or step + 1 == end:
             torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, checkpoint.with_suffix(".partial"))
             checkpoint.with_suffix(".partial").replace(checkpoint)
     draft.eval()
-    return draft
+    return draft.cpu()
 
 
 # ------------------------------------------------------------------------------ export
@@ -355,12 +374,14 @@ def stage_evaluate(args) -> dict:
     target, tokenizer = load_target(1)
     loaded_draft = load_causal_lm(str(args.out))
     runner = DraftModelRunner(loaded_draft, SessionStore(max_sessions=1, idle_timeout_s=3600.0), max_support=1)
-    sources = draft_data.read_split(args.heldout_percent, heldout=True)
+    sources = draft_data.read_split(args.heldout_percent, heldout=True, root=stdlib_folder(args))
     definitions = draft_data.all_definitions(sources)
     eos = {int(tokenizer.convert_tokens_to_ids("<|im_end|>")), int(tokenizer.eos_token_id)}
     report = {"target": NAME, "k": args.eval_k, "kinds": {}}
-    for kind, chat_fraction in (("code", 0.0), ("chat", 1.0)):
-        prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.eval_prompts, args.seed + 7, chat_fraction, args.max_prompt_tokens)
+    # Prompt kinds by (chat, self) fractions; the held-out self-written requests come from a seed no shard uses.
+    for kind, chat_fraction, self_fraction in (("code", 0.0, 0.0), ("chat", 1.0, 0.0), ("self", 0.0, 1.0)):
+        prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.eval_prompts, args.seed + 7, chat_fraction, args.max_prompt_tokens, self_fraction)
+        draft_data.write_self_chats(target, tokenizer, prompts, definitions, args.seed + 8)
         ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
         rows = draft_data.continue_batch(target, ids, args.eval_new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
         per_prompt = [greedy_tokens_per_round(runner, p, r["generated_ids"], args.eval_k) for p, r in zip(ids, rows)]
@@ -386,12 +407,15 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (generate: per process; train: 2 here)")
     parser.add_argument("--heldout-percent", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="where generate and train run (cpu, cuda); evaluate runs on the CPU")
+    parser.add_argument("--stdlib", default="", help="the stdlib folder prompts are written from (default: this interpreter's)")
     # generate
     parser.add_argument("--shards", type=int, default=106)
     parser.add_argument("--shard-size", type=int, default=48, help="prompts per shard (one batch)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--chat-fraction", type=float, default=0.5)
+    parser.add_argument("--self-fraction", type=float, default=0.0, help="prompts whose user message the target writes itself")
     parser.add_argument("--greedy-fraction", type=float, default=0.6)
     parser.add_argument("--topk", type=int, default=32)
     parser.add_argument("--worker", type=int, default=0)
@@ -401,7 +425,8 @@ def main(argv=None) -> None:
     parser.add_argument("--borrowed-layers", type=int, default=2)
     parser.add_argument("--trained-layers", type=int, default=3)
     parser.add_argument("--init-layers", default="27,28,29", help="the target layers the trained layers start from")
-    parser.add_argument("--steps", type=int, default=1400)
+    parser.add_argument("--steps", type=int, default=1400, help="training steps: the length of the learning-rate schedule")
+    parser.add_argument("--stop-after", type=int, default=0, help="end training after this step of the schedule (0: at its end)")
     parser.add_argument("--batch", type=int, default=12)
     parser.add_argument("--seq", type=int, default=384)
     parser.add_argument("--lr", type=float, default=6e-4)
