@@ -1,11 +1,12 @@
 """Measure ssd against sd and target-only on real worker processes (one torch thread each).
 
 Starts a target and a draft worker once (`specd serve`, --threads 1) and one coordinator per
-setting, runs the same prompts through each, the repeats interleaving the settings, and prints
-per setting: tokens/s (median and spread over the repeats), ms per round, mean acceptance
-length, cache hit rate, the time the loop waited on the draft, the target's verify forward and
-the draft's forwards per round, and each process's CPU milliseconds per round (on a machine
-with as few cores as this one, CPU spent off the critical path still slows it).
+setting, each on the CPUs `specd up` would give it, runs the same prompts through each, the
+repeats interleaving the settings, and prints per setting: tokens/s (median and spread over
+the repeats), ms per round, mean acceptance length, cache hit rate, the time the loop waited
+on the draft, the target's verify forward and the draft's forwards per round, and each
+process's CPU milliseconds per round (on a machine with as few cores as this one, CPU spent
+off the critical path still slows it).
 
     python tools/measure_ssd.py    # the default pair; --target/--draft for another
     python tools/measure_ssd.py --tiny             # the tests' tiny pair, built in a temp folder
@@ -35,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from specd.cpus import format_cpu_list, stack_layout  # noqa: E402
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from specd.v1 import common_pb2  # noqa: E402
 from specd.v1 import coordinator_pb2 as pb  # noqa: E402
@@ -175,9 +177,14 @@ def main() -> None:
         args.target, args.draft = save_pair(pathlib.Path(tempfile.mkdtemp(prefix="specd-measure-")))
     target_port, draft_port = _free_port(), _free_port()
     target_metrics, draft_metrics = _free_port(), _free_port()
+    # The CPUs `specd up` gives each process, so that the figures are the stack's.
+    layout = stack_layout(1, 1)
+    pin = {name: ["--cpus", format_cpu_list(cpus)] for name, cpus in layout.items()}
     workers = [
-        _serve("target", target_port, "--model", args.target, "--threads", "1", "--device", "cpu", metrics_port=target_metrics),
-        _serve("draft", draft_port, "--model", args.draft, "--threads", "1", "--device", "cpu", metrics_port=draft_metrics),
+        _serve("target", target_port, "--model", args.target, "--threads", "1", "--device", "cpu",
+               *pin.get("target", []), metrics_port=target_metrics),
+        _serve("draft", draft_port, "--model", args.draft, "--threads", "1", "--device", "cpu",
+               *pin.get("draft", []), metrics_port=draft_metrics),
     ]
     coordinators: list[subprocess.Popen] = []
     try:
@@ -191,7 +198,7 @@ def main() -> None:
             mode, overrides = _parse_setting(text)
             port = _free_port()
             flags = ["--target-address", f"127.0.0.1:{target_port}", "--draft-address", f"127.0.0.1:{draft_port}"]
-            coordinators.append(_serve("coordinator", port, *flags, *_flags(overrides)))
+            coordinators.append(_serve("coordinator", port, *flags, *pin.get("coordinator", []), *_flags(overrides)))
             _wait_serving(port, coordinators[-1])
             stubs.append((text, mode, coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
         measure(stubs[0][2], stubs[0][1], prompts[:2], 16, args.k, args.temperature, 1)  # the workers' lazy set-up
