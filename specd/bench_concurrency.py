@@ -2,10 +2,15 @@
 
 At each level C, C client threads share one queue of requests (the prompt set C times over, so
 each stream sends as many requests as the prompt set holds, on average) and send them as
-GenerateStream calls, each taking the next request as soon as its last one has ended. A mode's
-tokens/s is the tokens of all streams over the wall time from the first request's start to the
-last one's end; latency is a request's start to its last message, TTFT its start to the first
-message that carries tokens.
+GenerateStream calls, each taking the next request as soon as its last one has ended. A
+level's modes do not each run once, one after the other: the machine's speed drifts over the
+minutes a mode takes, and that drift would land on one mode alone (on 2026-11-26 it showed as
+ssd at 0.83x off, where side by side on one stack the two were equal). Each mode's requests
+run in two halves instead, the modes in order and then in reverse (off, sd, ssd, ssd, sd, off),
+so that a drift steady over the level cancels out. A mode's tokens/s is its tokens over the
+wall time of its halves, each from its first request's start to its last one's end; latency
+is a request's start to its last message, TTFT its start to the first message that carries
+tokens.
 """
 
 from __future__ import annotations
@@ -107,20 +112,36 @@ def summarize_level(results: list[StreamedRequest], wall_s: float) -> dict:
     }
 
 
+def palindromic_passes(modes: list[str], count: int) -> list[tuple[str, slice]]:
+    """The order a level runs in: (mode, which of its `count` requests) for each pass, the modes
+    in order over the first half and in reverse over the second. One pass each when there is
+    only one request to send."""
+    if count < 2:
+        return [(mode, slice(0, count)) for mode in modes]
+    first, second = slice(0, count // 2), slice(count // 2, count)
+    return [(mode, first) for mode in modes] + [(mode, second) for mode in reversed(modes)]
+
+
 def run_levels(stub, levels: list[int], modes: list[str], prompts: list[str], max_new_tokens: int, k: int,
                log=print) -> dict:
     """Every level, every mode: {"C": {"modes": {MODE: figures}}}. A mode's first failure is logged."""
     result = {}
     for level in levels:
+        count = level * len(prompts)
         requests = {mode: [specd_request(prompts[i % len(prompts)], mode, max_new_tokens, k)
-                           for i in range(level * len(prompts))] for mode in modes}
+                           for i in range(count)] for mode in modes}
+        outcomes = {mode: [] for mode in modes}
+        wall_s = dict.fromkeys(modes, 0.0)
+        for mode, part in palindromic_passes(modes, count):
+            part_outcomes, part_wall_s = run_streams(stub, requests[mode][part], level)
+            outcomes[mode] += part_outcomes
+            wall_s[mode] += part_wall_s
         figures = {}
         for mode in modes:
-            outcomes, wall_s = run_streams(stub, requests[mode], level)
-            figures[mode] = summarize_level(outcomes, wall_s)
-            errors = [r.error for r in outcomes if r.error]
+            figures[mode] = summarize_level(outcomes[mode], wall_s[mode])
+            errors = [r.error for r in outcomes[mode] if r.error]
             if errors:
-                log(f"  concurrency {level} {mode}: {len(errors)} of {len(outcomes)} requests failed, first: {errors[0]}")
+                log(f"  concurrency {level} {mode}: {len(errors)} of {len(outcomes[mode])} requests failed, first: {errors[0]}")
             log(f"  concurrency {level} {mode:<4} {_describe(figures[mode])}")
         result[str(level)] = {"modes": figures}
     return result

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from specd.bench_concurrency import palindromic_passes
 from specd.cli import main
 
 LEVEL_KEYS = {"tokens_per_s", "p50_latency_s", "p99_latency_s", "p50_ttft_s"}
@@ -53,3 +54,15 @@ def test_a_bad_concurrency_is_one_line_naming_the_flag(levels, capsys):
     assert main(["bench", "--concurrency", levels]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("specd bench: --concurrency ")
+
+
+def test_a_level_runs_its_modes_in_order_then_in_reverse():
+    passes = palindromic_passes(["off", "sd", "ssd"], 17)
+    assert [mode for mode, _ in passes] == ["off", "sd", "ssd", "ssd", "sd", "off"]
+    for mode in ("off", "sd", "ssd"):
+        sent = [i for m, part in passes if m == mode for i in range(17)[part]]
+        assert sent == list(range(17)), mode  # every request once, none twice
+
+
+def test_a_single_request_is_one_pass_per_mode():
+    assert palindromic_passes(["off", "ssd"], 1) == [("off", slice(0, 1)), ("ssd", slice(0, 1))]
