@@ -206,11 +206,11 @@ def main() -> None:
         for repeat in range(args.repeats):
             for (text, mode, stub), coordinator in zip(stubs, coordinators):
                 processes = (workers[0], workers[1], coordinator)
-                cpu_before = [_cpu_seconds(p.pid) for p in processes]
+                cpu_before = [cpu_seconds(p.pid) for p in processes]
                 before = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
                 t = measure(stub, mode, prompts, args.max_new, args.k, args.temperature, 1, seed_base=1000 * repeat)
                 after = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
-                t["cpu_ms"] = [1000 * (_cpu_seconds(p.pid) - b) for p, b in zip(processes, cpu_before)]
+                t["cpu_ms"] = [1000 * (cpu_seconds(p.pid) - b) for p, b in zip(processes, cpu_before)]
                 t["verify_ms"] = _delta_ms(before[0], after[0], "verify", per_call=True)
                 t["draft_ms"] = _delta_ms(before[1], after[1], None)
                 results[text].append(t)
@@ -239,7 +239,7 @@ def main() -> None:
             process.wait()
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far, all its threads (Linux /proc)."""
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
