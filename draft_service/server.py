@@ -8,6 +8,7 @@ from draft_service.config import DraftConfig
 from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
 from specd.models import load_causal_lm, set_threads
+from specd.prepacked_linear import prepack_linears
 from specd.forward import warm_up
 from specd.serving import RunningService
 from specd.session_cache import SessionStore
@@ -26,6 +27,8 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
         # Checkpoints pad their embeddings past the tokenizer: rows no text maps to. The draft's q
         # must not propose them (the target refuses ids outside its tokenizer), so drop them.
         loaded.model.resize_token_embeddings(loaded.vocab_size)
+    if config.prepack_weights:
+        prepack_linears(loaded.model)  # after the resize: a tied output layer is packed as it will serve
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return DraftModelRunner(loaded, sessions, config.max_support)

@@ -77,6 +77,7 @@ class HFAssisted:
         import transformers
 
         from specd.models import load_causal_lm
+        from specd.prepacked_linear import prepack_linears
 
         transformers.logging.set_verbosity_error()  # generate() warns about its defaults on every call
         self.threads = threads  # generate() gets the threads the two workers have together
@@ -84,6 +85,10 @@ class HFAssisted:
         target = load_causal_lm(target_path)  # as the workers load them: names resolved, the draft's borrowed weights in
         self.tokenizer, self.target = target.tokenizer, target.model
         self.draft = load_causal_lm(draft_path).model
+        # generate() runs transformers' model as it comes; a verify is timed on the model as a
+        # target worker serves it (by default with its linear weights prepacked).
+        self.verify_target = load_causal_lm(target_path).model
+        prepack_linears(self.verify_target)
 
     def add_prompt(self, run: ModeRun, prompt: str, max_new_tokens: int) -> None:
         """One greedy assisted generation of `prompt`, added to `run`."""
@@ -139,9 +144,9 @@ class HFAssisted:
                 block = context[:, -1:].repeat(1, k + 1)  # [1, K+1]
                 for _ in range(repeats):
                     cache = SessionKVCache()  # the cache a worker's session uses
-                    self.target(context, past_key_values=cache, use_cache=True)
+                    self.verify_target(context, past_key_values=cache, use_cache=True)
                     started = time.perf_counter()
-                    self.target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)
+                    self.verify_target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)
                     times.append((time.perf_counter() - started) * 1000.0)
         return times
 

@@ -19,6 +19,11 @@ class WorkerConfig:
     dtype: str = setting("float32", "weights dtype", choices=tuple(DTYPES))
     device: str = setting("auto", "torch device: auto, cpu, cuda, cuda:N")
     threads: int = setting(0, "torch intra-op threads (0 keeps torch's default)")
+    prepack_weights: bool = setting(
+        True,
+        "on a CPU in float32: keep a oneDNN-prepacked copy of each linear layer's weight for forwards of several "
+        "tokens (a verify, a batch), which then run faster; costs a second copy of those weights in memory",
+    )
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")

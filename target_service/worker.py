@@ -7,6 +7,7 @@ from typing import Callable
 from specd.config import ConfigError
 from specd.forward import warm_up
 from specd.models import load_causal_lm, set_threads
+from specd.prepacked_linear import prepack_linears
 from specd.serving import RunningService
 from specd.session_cache import SessionStore
 from specd.v1 import target_pb2, target_pb2_grpc
@@ -24,6 +25,8 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
         raise ConfigError("a tensor-parallel target starts through target_service.tensor_parallel.serve")
     set_threads(config.threads)
     loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
+    if config.prepack_weights:
+        prepack_linears(loaded.model)
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)

@@ -1,0 +1,89 @@
+"""Time a model's forwards with and without prepacked linear weights, side by side.
+
+Loads the model twice (as it comes, and with specd/prepacked_linear.py's layers), prefills
+both with the same context, then times forwards of each length on top of it, alternating
+which copy goes first, and prints the median per length and the ratio of each length to a
+one-token step: what `--prepack-weights` buys on this CPU. With `--cpu` it runs pinned there
+(the target worker's CPU under `specd up` is 0).
+
+    python tools/measure_prepack.py --cpu 0
+    python tools/measure_prepack.py --model models/smollm2-draft --lengths 1,9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specd.default_pair import DEFAULT_TARGET  # noqa: E402
+from specd.kv_cache import SessionKVCache  # noqa: E402
+from specd.models import load_causal_lm  # noqa: E402
+from specd.prepacked_linear import prepack_linears  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_TARGET, help="model folder or the default target's name")
+    parser.add_argument("--lengths", default="1,5,9", help="tokens per forward, comma-separated (include 1: the ratios are to it)")
+    parser.add_argument("--context", type=int, default=150, help="tokens cached before the timed forwards")
+    parser.add_argument("--trials", type=int, default=10, help="timed forwards per length and copy")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker's default under specd up is 1)")
+    parser.add_argument("--cpu", type=int, default=-1, help="pin to this CPU (-1: do not pin)")
+    return parser.parse_args(argv)
+
+
+def time_forwards(models: dict, lengths: list[int], context: int, trials: int) -> dict[tuple[str, int], list[float]]:
+    """ms of each (copy, length) forward on top of `context` cached tokens, the copies alternating."""
+    vocab = next(iter(models.values())).config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, context), generator=generator)  # [1, context]
+    times = {(name, n): [] for name in models for n in lengths}
+    with torch.inference_mode():
+        caches = {}
+        for name, model in models.items():
+            caches[name] = SessionKVCache()
+            model(input_ids=prefix, past_key_values=caches[name], use_cache=True)
+        for trial in range(trials + 1):  # trial 0 warms up
+            for n in lengths:
+                ids = torch.randint(0, vocab, (1, n), generator=generator)  # [1, n]
+                order = list(models) if trial % 2 else list(reversed(models))
+                for name in order:
+                    started = time.perf_counter()
+                    models[name](input_ids=ids, past_key_values=caches[name], use_cache=True, logits_to_keep=n)
+                    elapsed = (time.perf_counter() - started) * 1000.0
+                    caches[name].crop(-n)
+                    if trial:
+                        times[(name, n)].append(elapsed)
+    return times
+
+
+def main() -> None:
+    args = parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if args.cpu >= 0:
+        os.sched_setaffinity(0, {args.cpu})
+    torch.set_num_threads(args.threads)
+    plain = load_causal_lm(args.model).model
+    packed = load_causal_lm(args.model).model
+    if not prepack_linears(packed):
+        sys.exit("no linear layer of this model can be prepacked on this machine")
+    times = time_forwards({"plain": plain, "prepacked": packed}, lengths, args.context, args.trials)
+    print(f"{args.model}: {args.context} tokens of context, {args.threads} thread(s), median of {args.trials}")
+    for name in ("plain", "prepacked"):
+        medians = {n: statistics.median(times[(name, n)]) for n in lengths}
+        cells = []
+        for n in lengths:
+            ratio = f" ({medians[n] / medians[1]:.2f}x)" if 1 in medians and n != 1 else ""
+            cells.append(f"{n} tokens {medians[n]:.1f} ms{ratio}")
+        print(f"{name:>9}: " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
