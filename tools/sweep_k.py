@@ -37,7 +37,7 @@ def main() -> None:
     runs = {cell: bench.ModeRun() for cell in cells}
     stack, address = start_stack(args)
     try:
-        stub = _stub(address)
+        stub = _stub(address, None)  # the stack it started: plaintext on loopback
         bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], "off", 8, 4)  # warm-up
         for _ in range(args.repeats):
             for index, prompt in enumerate(prompts):
