@@ -25,7 +25,7 @@ class CoordinatorConfig:
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     # 4 for the default pair (docs/ssd.md, "The default pair: choosing K"; tools/sweep_k.py): ssd at
     # K = 3..6 lies within the runs' scatter (its draft accepts ~0.4 per token); 4 is the middle.
-    num_speculative_tokens: int = setting(4, "K: draft tokens per round when a request does not say")
+    num_speculative_tokens: int = setting(3, "K: draft tokens per round when a request does not say")
     max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
     default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")

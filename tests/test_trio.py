@@ -301,7 +301,7 @@ def test_model_info(stub, reference):
     assert info.draft_available and info.draft_model
     assert info.target_model
     assert info.max_new_tokens_limit == 4096
-    assert info.default_num_speculative_tokens == CoordinatorConfig.num_speculative_tokens == 4
+    assert info.default_num_speculative_tokens == CoordinatorConfig.num_speculative_tokens == 3
 
 
 def test_request_id_is_echoed(stub, reference):
