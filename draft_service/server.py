@@ -7,9 +7,9 @@ import logging
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
+from specd.forward import warm_up
 from specd.models import load_causal_lm, set_threads
 from specd.prepacked_linear import prepack_linears
-from specd.forward import warm_up
 from specd.serving import RunningService
 from specd.session_cache import SessionStore
 from specd.worker_server import start_worker

@@ -3,11 +3,11 @@
 On a CPU a one-token step of a model this size is bound by reading its weights, and torch's
 matrix product reads them at about that rate for one row. For a few rows (a verify of K+1
 tokens, one forward over several sessions' steps) it lays the weight out anew for its kernel
-on every call, and with the default target on one core a 5-row forward cost ~1.9x a 1-row
+on every call, and with the default target on one core a 5-token forward cost ~2x a 1-token
 one. oneDNN can take a weight laid out once, at load time; with it the same forward cost
-~1.65x (both measured side by side on the 2-core development machine; `specd bench` reports
-the verify forward's time). A 1-row product stays on the plain weight, where torch's own
-kernel is the faster of the two. The price is a second copy of every linear weight in memory.
+~1.66x (`python tools/measure_prepack.py --cpu 0` times both side by side). A 1-row product
+stays on the plain weight, where torch's own kernel is the faster of the two. The price is a
+second copy of every linear weight in memory.
 
 A prepacked product sums in another order than torch's, so its results differ in the last bits,
 as a K+1-token verify's already differ from a one-token step's: greedy outputs differ only at

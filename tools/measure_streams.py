@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from coordinator.config import CoordinatorConfig  # noqa: E402
 from measure_ssd import cpu_seconds  # noqa: E402
 from specd.bench import specd_request  # noqa: E402
 from specd.bench_concurrency import run_streams  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--prompts", default=str(BENCH_PROMPTS))
     parser.add_argument("--count", type=int, default=8, help="how many of the prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("-k", type=int, default=CoordinatorConfig.num_speculative_tokens)
     args = parser.parse_args()
     pids, metrics_url = stack_processes(args.up_log)
     prompts = load_prompts(args.prompts, args.count)
