@@ -19,6 +19,7 @@ import pathlib
 import re
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 MODEL_TYPE = "specd_draft_llama"
@@ -43,9 +44,15 @@ class ReducedVocabHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(draft_vocab_size, hidden_size))  # [N, H]
         self.register_buffer("token_ids", torch.arange(draft_vocab_size), persistent=True)  # [N]
         self.vocab_size = vocab_size
+        self._product = None  # a PackedProduct of `weight`, once specd.prepacked_linear hands one over
+
+    def use_packed_product(self, product) -> None:
+        """Take products of several rows on a prepacked copy of the weight (specd.prepacked_linear)."""
+        self._product = product
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        reduced = hidden @ self.weight.T  # [..., N]
+        product = self._product
+        reduced = product(hidden) if product is not None else F.linear(hidden, self.weight)  # [..., N]
         full = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
         return full.index_copy_(-1, self.token_ids, reduced)
 

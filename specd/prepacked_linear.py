@@ -7,7 +7,9 @@ on every call, and with the default target on one core a 5-token forward cost ~2
 one. oneDNN can take a weight laid out once, at load time; with it the same forward cost
 ~1.66x (`python tools/measure_prepack.py --cpu 0` times both side by side). A 1-row product
 stays on the plain weight, where torch's own kernel is the faster of the two. The price is a
-second copy of every linear weight in memory.
+second copy of every linear weight in memory. A module that is not an nn.Linear but takes such
+a product of its `weight` (the draft's reduced output layer) opts in by defining
+`use_packed_product(product)` and is handed a PackedProduct.
 
 A prepacked product sums in another order than torch's, so its results differ in the last bits,
 as a K+1-token verify's already differ from a one-token step's: greedy outputs differ only at
@@ -47,6 +49,27 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [rows, in] -> [rows, out]
 
 
+class PackedProduct:
+    """x @ weight.T (+ bias) for a weight [out, in] that keeps a prepacked copy: products of more
+    than one row go to oneDNN on that copy; one row, or gradients enabled, to torch's product
+    on the weight itself."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = ROWS_HINT):
+        self.weight = weight
+        self.bias = bias
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.packed_weight = _pack(weight, rows_hint)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.numel() // self.in_features
+        if rows <= 1 or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
+        out = _packed_product(flat, self.packed_weight, self.bias)  # [rows, out]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
 class PrepackedLinear(nn.Module):
     """An nn.Linear's weight and bias (the same Parameters, so tying and state_dict hold), with
     products of more than one row taken on a prepacked copy of the weight."""
@@ -57,55 +80,63 @@ class PrepackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed_weight = _pack(linear.weight, rows_hint)  # a plain attribute: not in state_dict
+        self.product = PackedProduct(linear.weight, linear.bias, rows_hint)  # a plain attribute: not in state_dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.numel() // self.in_features
-        if rows <= 1 or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
-        out = _packed_product(flat, self.packed_weight, self.bias)  # [rows, out]
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return self.product(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _eligible(module: nn.Module) -> bool:
-    """A plain float32 Linear on the CPU whose weight is an ordinary tensor and around which
-    nothing is hooked (tensor parallelism's collectives, accelerate's device moves)."""
-    if type(module) is not nn.Linear or hasattr(module, "_hf_hook"):
-        return False
-    if module._forward_hooks or module._forward_pre_hooks:
-        return False
-    weight = module.weight
+def _unhooked(module: nn.Module) -> bool:
+    """Nothing is hooked around it (tensor parallelism's collectives, accelerate's device moves)."""
+    return not (hasattr(module, "_hf_hook") or module._forward_hooks or module._forward_pre_hooks)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """A float32 weight on the CPU that is an ordinary tensor (not a tensor-parallel shard)."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
 
 
+def _eligible(module: nn.Module) -> bool:
+    """A plain nn.Linear (not a subclass, whose forward may differ) with a packable weight."""
+    return type(module) is nn.Linear and _unhooked(module) and _packable(module.weight)
+
+
+def _opts_in(module: nn.Module) -> bool:
+    """A module that is not an nn.Linear but takes a product of its `weight` [out, in] the same
+    way, and says so by defining `use_packed_product(product)` (specd.draft_model's output layer)."""
+    return callable(getattr(module, "use_packed_product", None)) and _unhooked(module) and _packable(module.weight)
+
+
 @torch.inference_mode()
-def _agrees(linear: nn.Linear, rows_hint: int) -> bool:
+def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> bool:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(5, linear.in_features, generator=generator)  # [5, in]
-    want = F.linear(x, linear.weight, linear.bias)  # [5, out]
-    got = _packed_product(x, _pack(linear.weight, rows_hint), linear.bias)  # [5, out]
+    x = torch.randn(5, weight.shape[1], generator=generator)  # [5, in]
+    want = F.linear(x, weight, bias)  # [5, out]
+    got = _packed_product(x, _pack(weight, rows_hint), bias)  # [5, out]
     return torch.allclose(want, got, rtol=1e-4, atol=1e-5)
 
 
 def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT) -> int:
-    """Replace every eligible nn.Linear in `model` by a PrepackedLinear; return how many."""
+    """Replace every eligible nn.Linear in `model` by a PrepackedLinear, and hand each module
+    that opts in a PackedProduct of its weight; return how many weights were packed."""
     found = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if _eligible(child)
     ]
-    if not found:
+    opted = [module for module in model.modules() if _opts_in(module)]
+    if not found and not opted:
         return 0
     if not _ops_available():
         log.info("oneDNN's prepacked linear operators are not in this torch: linear layers stay as they are")
         return 0
+    probe = (found[0][2].weight, found[0][2].bias) if found else (opted[0].weight, None)
     try:
-        agrees = _agrees(found[0][2], rows_hint)
+        agrees = _agrees(*probe, rows_hint)
     except RuntimeError as error:
         log.warning("prepacked linear layers do not run here (%s): linear layers stay as they are", error)
         return 0
@@ -117,6 +148,9 @@ def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT) -> int:
         if id(child) not in replacements:
             replacements[id(child)] = PrepackedLinear(child, rows_hint)
         setattr(parent, name, replacements[id(child)])
-    extra_mb = sum(linear.weight.numel() * linear.weight.element_size() for linear in replacements.values()) / 2**20
-    log.info("prepacked %d linear layers for forwards of several tokens (+%.0f MiB)", len(replacements), extra_mb)
-    return len(replacements)
+    for module in opted:
+        module.use_packed_product(PackedProduct(module.weight, None, rows_hint))
+    weights = [linear.weight for linear in replacements.values()] + [module.weight for module in opted]
+    extra_mb = sum(weight.numel() * weight.element_size() for weight in weights) / 2**20
+    log.info("prepacked %d weights for forwards of several tokens (+%.0f MiB)", len(weights), extra_mb)
+    return len(weights)

@@ -12,7 +12,9 @@ from safetensors import safe_open
 
 from specd.draft_model import DraftLlamaForCausalLM
 from specd.lean_llama import LeanLlama, lean_or_plain
+from specd import prepacked_linear
 from specd.models import load_causal_lm
+from specd.prepacked_linear import prepack_linears
 from specd.sampling import SamplingSettings
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, greedy_reference, load_reference, request, running_stack
@@ -55,6 +57,25 @@ def test_logits_are_minus_infinity_outside_the_draft_vocabulary(reduced_draft):
     assert bool(torch.isfinite(logits[:, inside]).all())
     assert bool((logits[:, ~inside] == float("-inf")).all())
     assert bool(inside[logits.argmax(-1)].all())
+
+
+@torch.inference_mode()
+def test_prepacking_packs_the_reduced_output_layer_too(reduced_draft):
+    plain = load_causal_lm(reduced_draft).model
+    packed = load_causal_lm(reduced_draft).model
+    state = {key: value.clone() for key, value in packed.state_dict().items()}
+    if not prepacked_linear._ops_available():
+        pytest.skip("torch built without oneDNN")
+
+    prepack_linears(packed)
+    assert isinstance(packed.lm_head._product, prepacked_linear.PackedProduct)
+    assert packed.lm_head._product.weight is packed.lm_head.weight
+    after = packed.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[key], state[key]) for key in state)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])  # [1, 5]: several rows, the packed product
+    want, got = plain(input_ids=ids).logits[0], packed(input_ids=ids).logits[0]  # [5, V]
+    assert torch.equal(torch.isinf(want), torch.isinf(got))
+    assert torch.allclose(want, got, rtol=1e-4, atol=1e-4) and want.argmax(-1).equal(got.argmax(-1))
 
 
 def test_the_lean_forward_serves_it(reduced_draft):

@@ -87,6 +87,31 @@ def test_with_gradients_the_layer_is_an_ordinary_linear():
     assert layer.weight.grad is not None and x.grad is not None
 
 
+@needs_onednn
+def test_a_module_that_opts_in_gets_a_packed_product_of_its_weight():
+    class Head(nn.Module):  # not an nn.Linear: a product of `weight` it takes its own way
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(40, 16))  # [out, in]
+            self.product = None
+
+        def use_packed_product(self, product):
+            self.product = product
+
+    head = Head()
+    assert prepack_linears(head) == 1
+    assert head.product.weight is head.weight
+    x = torch.randn(2, 3, 16)  # [2, 3, in]: six rows
+    with torch.inference_mode():
+        got = head.product(x)  # [2, 3, out]
+    assert got.shape == (2, 3, 40) and torch.allclose(got, x @ head.weight.T, rtol=1e-4, atol=1e-5)
+    assert torch.equal(head.product(x[:1, :1]), nn.functional.linear(x[:1, :1], head.weight))  # one row: torch's
+
+    hooked = Head()
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    assert prepack_linears(hooked) == 0 and hooked.product is None
+
+
 def test_layers_it_cannot_serve_are_left_alone():
     model = build_llama(VOCAB, seed=7, hidden=32, layers=1).to(torch.bfloat16)
     assert prepack_linears(model) == 0

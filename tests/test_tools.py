@@ -54,3 +54,23 @@ def test_measure_prepack_times_both_copies(tiny_pair):
     lines = run.stdout.splitlines()
     assert any(line.strip().startswith("plain:") for line in lines)
     assert any(line.strip().startswith("prepacked:") and "3 tokens" in line for line in lines), run.stdout
+
+
+def test_measure_tree_times_the_draft_as_its_worker_serves_it(tiny_pair):
+    _, draft = tiny_pair
+    run = _run("tools/measure_tree.py", "--builds", "--model", draft, "--k", "2", "--context", "8", "--repeats", "2", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "prepacked weights: True" in run.stdout
+    assert "Propose of 2 tokens:" in run.stdout and "build B= 8" in run.stdout, run.stdout
+
+
+def test_ab_stacks_runs_each_arm_through_a_stack_of_its_own(tiny_pair):
+    target, draft = tiny_pair
+    flags = f"--target {target} --draft {draft}"
+    run = _run(
+        "tools/ab_stacks.py", "--arm", f"one={flags}", "--arm", f"two={flags} --no-pin-cpus", "--passes", "1",
+        "--num-prompts", "2", "--max-new-tokens", "6", timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert "one: mean" in run.stdout and "two: mean" in run.stdout, run.stdout
+    assert "greedy outputs identical: True" in run.stdout, run.stdout

@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from specd import bench  # noqa: E402
-from specd.cli.supervise import wait_serving  # noqa: E402
+from specd.cli.supervise import stop_processes, wait_serving  # noqa: E402
 from specd.cli.up import free_port  # noqa: E402
 from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT  # noqa: E402
 from specd.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -119,13 +119,7 @@ def main() -> None:
         addresses = start_stack(args, log_dir, processes)
         report(run_passes(args, addresses))
     finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes, timeout_s=30)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 against a one-token draft step and against copying the prefix KV cache per branch.
 
     python tools/measure_tree.py [--model models/smollm2-draft] [--threads 1] [--context 256]
-    python tools/measure_tree.py --builds --model models/smollm2-draft   # whole builds vs Propose
+    python tools/measure_tree.py --builds                                 # whole builds vs Propose
+    python tools/measure_tree.py --builds --no-prepack-weights            # the same, weights as loaded
+
+--builds loads the draft as its worker serves it (draft_service.server.load_runner: prepacked
+weights unless --no-prepack-weights) and times the runner's own Propose and Speculate.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--builds", action="store_true", help="time whole speculation builds (K = K' = 4) against Propose")
+    parser.add_argument("--k", type=int, default=4, help="--builds: draft tokens per Propose and per branch")
+    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="--builds: prepack the draft's weights as its worker does")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.builds:
@@ -90,26 +97,28 @@ def main() -> None:
 
 
 def _builds(args) -> None:
-    """Draft worker's runner in-process: one Propose of 4 tokens, then builds of B branches."""
+    """The draft worker's runner in-process, loaded as the worker loads it: one Propose of K
+    tokens, then builds of B branches, K tokens each."""
     import threading
 
-    from draft_service.runner import DraftModelRunner
+    from draft_service.config import DraftConfig
+    from draft_service.server import load_runner
     from specd.fanout import allocate
-    from specd.models import load_causal_lm
     from specd.sampling import SamplingSettings
-    from specd.session_cache import SessionStore
 
-    loaded = load_causal_lm(args.model or DEFAULT_DRAFT)
-    runner = DraftModelRunner(loaded, SessionStore(8, 300.0), 64)
+    config = DraftConfig(model=args.model or DEFAULT_DRAFT, threads=args.threads, prepack_weights=args.prepack_weights)
+    runner = load_runner(config)
+    k = args.k
     prompt = list(range(10, 10 + args.context))
     greedy = SamplingSettings(temperature=0.0)
     runner.prefill("s", 0, prompt)
-    drafts = runner.propose("s", 0, prompt, 4, greedy, 0).draft_tokens
-    propose = _timed(lambda: runner.propose("s", 0, prompt, 4, greedy, 0), args.repeats)
-    print(f"Propose of 4 tokens: {propose:.2f} ms")
+    drafts = runner.propose("s", 0, prompt, k, greedy, 0).draft_tokens
+    propose = _timed(lambda: runner.propose("s", 0, prompt, k, greedy, 0), args.repeats)
+    print(f"prepacked weights: {args.prepack_weights}, context {args.context}, {args.threads} thread(s)")
+    print(f"Propose of {k} tokens: {propose:.2f} ms")
     for budget in (0, 1, 2, 4, 8, 16, 24):
-        fanout = allocate(0.87, 4, budget, loaded.vocab_size, 0.5)
-        ms = _timed(lambda: runner.speculate("s", 0, prompt, drafts, 4, fanout, greedy, 0, 1.0, [], threading.Event()), args.repeats)
+        fanout = allocate(0.87, k, budget, runner.loaded.vocab_size, 0.5)
+        ms = _timed(lambda: runner.speculate("s", 0, prompt, drafts, k, fanout, greedy, 0, 1.0, [], threading.Event()), args.repeats)
         print(f"build B={budget:2d} {fanout}: {ms:.2f} ms")
 
 
