@@ -14,7 +14,7 @@ from coordinator.rounds import Generation
 from coordinator.speculation_cache import Draft
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.ssd_speculator import saguaro
-from coordinator.workers import DraftLink
+from coordinator.draft_link import DraftLink
 from specd.sampling import SparseDist
 
 

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 from typing import Awaitable, TypeVar
 
-from coordinator.workers import DraftFailed, DraftLink
+from coordinator.draft_link import DraftFailed, DraftLink
 
 T = TypeVar("T")
 

@@ -16,7 +16,9 @@ from coordinator.draft_wait import DraftWait, answer_within
 from coordinator.load import UNLIMITED, SpeculationLoad
 from coordinator.payoff import SpeculationPayoff
 from coordinator.round_trace import RoundTrace
-from coordinator.workers import DraftFailed, DraftLink, TargetLink, WorkerSession
+from coordinator.draft_link import DraftFailed, DraftLink
+from coordinator.target_link import TargetLink
+from coordinator.workers import WorkerSession
 from specd.modes import OFF, SD
 from specd.sampling import SamplingSettings, SparseDist
 from specd.v1 import target_pb2

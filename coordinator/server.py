@@ -12,7 +12,8 @@ from coordinator.auth import BearerTokenInterceptor, read_token
 from coordinator.config import CoordinatorConfig
 from coordinator.request import TargetFacts
 from coordinator.servicer import CoordinatorServicer
-from coordinator.workers import DraftLink, TargetLink
+from coordinator.draft_link import DraftLink
+from coordinator.target_link import TargetLink
 from specd.config import ConfigError
 from specd.models import load_tokenizer, tokenizer_fingerprint
 from specd.metrics import CoordinatorMetrics

@@ -24,7 +24,8 @@ from coordinator.ssd_rounds import ssd_rounds
 from coordinator.round_trace import RoundTrace, llm_request, llm_request_stream, record_request, record_response
 from coordinator.stats import RequestStats
 from coordinator.text import TextAssembler
-from coordinator.workers import DraftLink, TargetLink
+from coordinator.draft_link import DraftLink
+from coordinator.target_link import TargetLink
 from specd.modes import AUTO, OFF, SD, SSD
 from specd.sampling import SamplingSettings
 from specd.serving import ModelLoading, abort_on_error

@@ -38,7 +38,8 @@ from coordinator.speculation_cache import Draft
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.ssd_speculator import MISS_NO_SPECULATION, MISS_UNCOVERED, Speculation, Speculator
 from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
-from coordinator.workers import DraftFailed, DraftLink, TargetLink
+from coordinator.draft_link import DraftFailed, DraftLink
+from coordinator.target_link import TargetLink
 from specd.modes import OFF, SSD
 from specd.outcomes import Outcome, outcome_of
 from specd.v1 import target_pb2

@@ -27,7 +27,7 @@ from coordinator.rounds import Generation
 from coordinator.speculation_cache import SpeculationCache
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.verify_ahead import VerifyAhead
-from coordinator.workers import DraftFailed, DraftLink
+from coordinator.draft_link import DraftFailed, DraftLink
 from specd.outcomes import Outcome
 from specd.v1 import draft_pb2
 from specd.wire import sampling_to_proto

@@ -17,7 +17,7 @@ from typing import Callable
 
 from coordinator.rounds import Generation
 from coordinator.speculation_cache import CachedDraft, Draft, SpeculationCache
-from coordinator.workers import TargetLink, verify_request
+from coordinator.target_link import TargetLink, verify_request
 from specd.outcomes import Outcome
 from specd.v1 import common_pb2, target_pb2
 

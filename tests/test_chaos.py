@@ -28,7 +28,7 @@ from coordinator.rounds import Generation
 from coordinator.server import start_coordinator
 from coordinator.speculation_cache import Draft
 from coordinator.verify_ahead import SentAhead, VerifyAhead
-from coordinator.workers import TargetLink, TargetUnavailable, verify_request
+from coordinator.target_link import TargetLink, TargetUnavailable, verify_request
 from specd.sampling import SamplingSettings
 from specd.v1 import common_pb2, target_pb2
 from specd.v1 import coordinator_pb2 as pb

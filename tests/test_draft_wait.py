@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait, answer_within
-from coordinator.workers import DraftFailed, DraftLink
+from coordinator.draft_link import DraftFailed, DraftLink
 from specd.config import ConfigError
 
 

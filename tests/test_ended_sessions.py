@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.workers import WorkerSession, _synced_call
+from coordinator.workers import WorkerSession, synced_call
 from specd.retired_sessions import RetiredSessions
 from specd.session_cache import SessionNotFound
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -52,7 +52,7 @@ def _run(coro):
 
 def test_a_live_session_is_resent_from_the_start():
     session, worker = WorkerSession("s", sent=3), _Worker()
-    _run(_synced_call(session, [1, 2, 3, 4], worker, deadline=_far()))
+    _run(synced_call(session, [1, 2, 3, 4], worker, deadline=_far()))
     assert worker.sent == [3, 0]
 
 
@@ -60,14 +60,14 @@ def test_a_session_whose_request_ended_is_not_resent():
     session = WorkerSession("s", sent=3)
     worker = _Worker(on_first_call=lambda: setattr(session, "ended", True))  # the request ends meanwhile
     with pytest.raises(asyncio.CancelledError):
-        _run(_synced_call(session, [1, 2, 3, 4], worker, deadline=_far()))
+        _run(synced_call(session, [1, 2, 3, 4], worker, deadline=_far()))
     assert worker.sent == [3]
 
 
 def test_nothing_is_sent_for_an_ended_session():
     session, worker = WorkerSession("s", ended=True), _Worker()
     with pytest.raises(asyncio.CancelledError):
-        _run(_synced_call(session, [1, 2], worker, deadline=_far()))
+        _run(synced_call(session, [1, 2], worker, deadline=_far()))
     assert worker.sent == []
 
 

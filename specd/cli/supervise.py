@@ -3,8 +3,8 @@
 A worker that dies is restarted on its own port after a delay that doubles with each failure
 (1 s up to 30 s, back to 1 s once it has run a minute), while the others keep serving: the
 coordinator decodes target-only without its draft and reconnects to a worker that comes back
-(coordinator/workers.py). A coordinator that dies is restarted the same way. Each restart is
-said on stderr. Only stop_all (Ctrl-C, SIGTERM) ends them.
+(coordinator/workers.py, coordinator/draft_link.py). A coordinator that dies is restarted the
+same way. Each restart is said on stderr. Only stop_all (Ctrl-C, SIGTERM) ends them.
 """
 
 from __future__ import annotations

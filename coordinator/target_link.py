@@ -1,0 +1,115 @@
+"""The coordinator's client of the target worker: Prefill, Verify and VerifyAfter, each within a
+deadline; a target that cannot be reached in time is UNAVAILABLE to the caller."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import grpc
+
+from coordinator.workers import WorkerSession, call_metadata_source, remaining_s, synced_call, worker_channel
+from specd.sampling import SamplingSettings, SparseDist
+from specd.serving import StatusError, Unavailable
+from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specd.wire import sampling_to_proto, sparse_to_proto
+
+
+class TargetUnavailable(Unavailable):
+    """The target worker cannot serve: the request fails with UNAVAILABLE."""
+
+
+def verify_request(
+    session_id: str,
+    tail: common_pb2.CommittedTokens,
+    draft_tokens: list[int],
+    draft_probs: Iterable[common_pb2.SparseDistribution],
+    sampling: SamplingSettings,
+    return_logprobs: bool,
+) -> target_pb2.VerifyRequest:
+    """A Verify of `draft_tokens` after `tail`; greedy verifies send no draft distributions."""
+    return target_pb2.VerifyRequest(
+        session_id=session_id,
+        committed=tail,
+        draft_tokens=draft_tokens,
+        draft_probs=[] if sampling.greedy else draft_probs,
+        sampling=sampling_to_proto(sampling),
+        return_logprobs=return_logprobs,
+    )
+
+
+class TargetLink:
+    def __init__(
+        self, address: str, timeout_s: float, interceptors: list | None = None, credentials: grpc.ChannelCredentials | None = None
+    ):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = worker_channel(address, interceptors, credentials)
+        self._metadata = call_metadata_source(interceptors)
+        self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> StatusError:
+        """UNAVAILABLE when the target cannot be reached in time; its own status otherwise."""
+        message = f"target worker at {self.address}: {exc.code().name}: {exc.details()}"
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return TargetUnavailable(message)
+        return StatusError(message, exc.code())
+
+    def deadline(self) -> float:
+        """The deadline of a logical call starting now (time.monotonic())."""
+        return time.monotonic() + self.timeout_s
+
+    async def info(self, timeout_s: float | None = None) -> target_pb2.TargetInfo:
+        return await self._stub.Info(target_pb2.TargetInfoRequest(), metadata=self._metadata(), timeout=timeout_s or self.timeout_s)
+
+    async def prefill(self, session: WorkerSession, committed: list[int]) -> target_pb2.TargetPrefillResponse:
+        async def call(tail, timeout_s):
+            request = target_pb2.TargetPrefillRequest(session_id=session.session_id, committed=tail)
+            return await self._stub.Prefill(request, metadata=self._metadata(), timeout=timeout_s)
+
+        try:
+            return await synced_call(session, committed, call, self.deadline())
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def verify(
+        self,
+        session: WorkerSession,
+        committed: list[int],
+        draft_tokens: list[int],
+        draft_dists: list[SparseDist],
+        sampling: SamplingSettings,
+        return_logprobs: bool,
+        deadline: float | None = None,
+    ) -> target_pb2.VerifyResponse:
+        """`deadline`: that of the logical call this Verify is part of (a VerifyAfter it stands
+        in for); by default one worker timeout from now."""
+
+        async def call(tail, timeout_s):
+            probs = [] if sampling.greedy else [sparse_to_proto(d) for d in draft_dists]
+            request = verify_request(session.session_id, tail, draft_tokens, probs, sampling, return_logprobs)
+            return await self._stub.Verify(request, metadata=self._metadata(), timeout=timeout_s)
+
+        try:
+            return await synced_call(session, committed, call, deadline or self.deadline())
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def verify_after(
+        self, session_id: str, after: int, choices: list[target_pb2.VerifyChoice], deadline: float
+    ) -> target_pb2.VerifyAfterResponse:
+        """Verifies sent ahead of the outcome of the session's verify at `after` committed tokens."""
+        request = target_pb2.VerifyAfterRequest(session_id=session_id, after=after, choices=choices)
+        try:
+            return await self._stub.VerifyAfter(request, metadata=self._metadata(), timeout=remaining_s(deadline))
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def end_session(self, session_id: str) -> None:
+        """End a request's session for good: retire_id, since no request reuses an id, so that a
+        call of the request still on its way is refused instead of opening the session again."""
+        request = target_pb2.TargetEndSessionRequest(session_id=session_id, retire_id=True)
+        await self._stub.EndSession(request, metadata=self._metadata(), timeout=5.0)
+
+    async def close(self) -> None:
+        await self._channel.close()
