@@ -3,13 +3,15 @@
     python tools/ab_ssd.py --arm "NAME[@TREE]=FLAGS" --arm ... [--passes 3] [--num-prompts 16]
 
 One target and one draft worker (this checkout's code), and one coordinator per arm in front
-of those same workers, each with the given coordinator flags (besides --ssd-budget and
---num-speculative-tokens, 16 and 4 unless given) and, with @TREE, run from another checkout's
-code (PYTHONPATH=TREE): settings or code before and after a change, in one run. The bench
-prompts go through ssd, greedy, 128 new tokens, each prompt to every arm in turn (the order
-rotating), so the machine's drift hits every arm alike, for several passes. Prints tokens/s
-per pass and per arm, and whether every arm's greedy outputs were identical. How docs/ssd.md's
-A/B of the adaptive budget was measured, from a checkout of the commit before its removal:
+of those same workers, each service on the CPUs `specd up` would give it, each coordinator
+with the arm's flags (besides --ssd-budget and --num-speculative-tokens, 16 and 4 unless
+given) and, with @TREE, run from another checkout's code (PYTHONPATH=TREE): settings or
+coordinator code before and after a change, in one run (tools/ab_stacks.py for the workers').
+The bench prompts go through ssd, greedy, 128 new tokens, each prompt to every arm in turn (the
+order rotating), so the machine's drift hits every arm alike, for several passes. Prints
+tokens/s per pass and per arm, and whether every arm's greedy outputs were identical. How
+docs/ssd.md's A/B of the adaptive budget was measured (before the tool pinned CPUs), from a
+checkout of the commit before its removal:
 
     python tools/ab_ssd.py --arm "A@BASE=--ssd-adaptive" --arm "B@BASE=--no-ssd-adaptive"
 """
@@ -31,6 +33,7 @@ import grpc  # noqa: E402
 from specd import bench  # noqa: E402
 from specd.cli.supervise import stop_processes, wait_serving  # noqa: E402
 from specd.cli.up import free_port  # noqa: E402
+from specd.cpus import format_cpu_list, stack_layout  # noqa: E402
 from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT  # noqa: E402
 from specd.v1 import coordinator_pb2_grpc  # noqa: E402
 
@@ -66,6 +69,13 @@ def start_stack(args, log_dir: pathlib.Path, processes: list[subprocess.Popen]) 
               "--num-speculative-tokens", str(args.k), *flags]
         for arm, (_, flags) in arms.items()
     }
+    # Each service on the CPUs `specd up` would give it: the target on its own, the rest beside
+    # ({} where no CPU is left beside the target).
+    pin = {name: ["--cpus", format_cpu_list(cpus)] for name, cpus in stack_layout(1, 1).items()}
+    for name, argv in workers.items():
+        argv += pin.get(name, [])
+    for argv in coordinators.values():
+        argv += pin.get("coordinator", [])
     deadline = time.monotonic() + 600
     for name, argv in {**workers, **coordinators}.items():
         process, log = start(name, argv, log_dir, arms[name][0] if name in arms else "")
