@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--builds", action="store_true", help="time whole speculation builds (K = K' = 4) against Propose")
+    parser.add_argument("--builds", action="store_true", help="time whole speculation builds (K tokens per branch, --k) against Propose")
     parser.add_argument("--k", type=int, default=4, help="--builds: draft tokens per Propose and per branch")
     parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
                         help="--builds: prepack the draft's weights as its worker does")
