@@ -5,8 +5,10 @@ matrix product reads them at about that rate for one row. For a few rows (a veri
 tokens, one forward over several sessions' steps) it lays the weight out anew for its kernel
 on every call, and with the default target on one core a 5-token forward cost ~2x a 1-token
 one. oneDNN can take a weight laid out once, at load time; with it the same forward cost
-~1.66x (`python tools/measure_prepack.py --cpu 0` times both side by side). A 1-row product
-stays on the plain weight, where torch's own kernel is the faster of the two. The price is a
+~1.66x (`python tools/measure_prepack.py --cpu 0` times them side by side). Products of 2-8
+rows on one thread go to specd's own kernel where it builds and runs (specd/small_rows_kernel.py),
+which reads the plain weight once for all of them; more rows, or more threads, to oneDNN. A
+1-row product stays on the plain weight, where torch's own kernel is the fastest. The price is a
 second copy of every linear weight in memory. A module that is not an nn.Linear but takes such
 a product of its `weight` (the draft's reduced output layer) opts in by defining
 `use_packed_product(product)` and is handed a PackedProduct.
@@ -25,6 +27,9 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specd import small_rows_kernel
+from specd.small_rows_kernel import SmallRowsKernel
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +56,33 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 class PackedProduct:
     """x @ weight.T (+ bias) for a weight [out, in] that keeps a prepacked copy: products of more
-    than one row go to oneDNN on that copy; one row, or gradients enabled, to torch's product
-    on the weight itself."""
+    than one row go to specd's few-row kernel (2..MAX_ROWS rows on one thread, when given one)
+    or to oneDNN on that copy; one row, or gradients enabled, to torch's product on the weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int = ROWS_HINT):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows_hint: int = ROWS_HINT,
+        kernel: SmallRowsKernel | None = None,
+    ):
         self.weight = weight
         self.bias = bias
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
         self.packed_weight = _pack(weight, rows_hint)
+        self.kernel = kernel if kernel is not None and SmallRowsKernel.takes(weight, bias) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
         if rows <= 1 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
-        out = _packed_product(flat, self.packed_weight, self.bias)  # [rows, out]
+        if self.kernel is not None and rows <= small_rows_kernel.MAX_ROWS and flat.dtype == torch.float32 \
+                and torch.get_num_threads() == 1:
+            out = self.kernel.product(flat, self.weight, self.bias)  # [rows, out]
+        else:
+            out = _packed_product(flat, self.packed_weight, self.bias)  # [rows, out]
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -74,13 +90,13 @@ class PrepackedLinear(nn.Module):
     """An nn.Linear's weight and bias (the same Parameters, so tying and state_dict hold), with
     products of more than one row taken on a prepacked copy of the weight."""
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = ROWS_HINT):
+    def __init__(self, linear: nn.Linear, rows_hint: int = ROWS_HINT, kernel: SmallRowsKernel | None = None):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.product = PackedProduct(linear.weight, linear.bias, rows_hint)  # a plain attribute: not in state_dict
+        self.product = PackedProduct(linear.weight, linear.bias, rows_hint, kernel)  # a plain attribute: not in state_dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self.product(x)
@@ -110,18 +126,47 @@ def _opts_in(module: nn.Module) -> bool:
     return callable(getattr(module, "use_packed_product", None)) and _unhooked(module) and _packable(module.weight)
 
 
+def _probe_input(weight: torch.Tensor) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(5, weight.shape[1], generator=generator)  # [5, in]
+
+
 @torch.inference_mode()
 def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> bool:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(5, weight.shape[1], generator=generator)  # [5, in]
+    x = _probe_input(weight)  # [5, in]
     want = F.linear(x, weight, bias)  # [5, out]
     got = _packed_product(x, _pack(weight, rows_hint), bias)  # [5, out]
     return torch.allclose(want, got, rtol=1e-4, atol=1e-5)
 
 
-def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT) -> int:
+@torch.inference_mode()
+def _kernel_agrees(kernel: SmallRowsKernel) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 64, generator=generator)  # [out, in]
+    bias = torch.randn(24, generator=generator)  # [out]
+    x = _probe_input(weight)  # [5, in]
+    want = F.linear(x, weight, bias)  # [5, out]
+    return all(
+        torch.allclose(want[:rows], kernel.product(x[:rows].contiguous(), weight, bias), rtol=1e-4, atol=1e-5)
+        for rows in (2, 5)
+    )
+
+
+def _few_row_kernel() -> SmallRowsKernel | None:
+    """specd's few-row kernel, where it builds and agrees with torch here."""
+    kernel = small_rows_kernel.load()
+    if kernel is None:
+        return None
+    if not _kernel_agrees(kernel):
+        log.warning("specd's few-row product disagrees with torch's here: products of a few rows stay on oneDNN's")
+        return None
+    return kernel
+
+
+def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel: bool = True) -> int:
     """Replace every eligible nn.Linear in `model` by a PrepackedLinear, and hand each module
-    that opts in a PackedProduct of its weight; return how many weights were packed."""
+    that opts in a PackedProduct of its weight; return how many weights were packed. With
+    `few_row_kernel`, products of 2..MAX_ROWS rows go to specd's kernel where it runs here."""
     found = [
         (parent, name, child)
         for parent in model.modules()
@@ -143,14 +188,18 @@ def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT) -> int:
     if not agrees:
         log.warning("prepacked linear products disagree with torch's here: linear layers stay as they are")
         return 0
+    kernel = _few_row_kernel() if few_row_kernel else None
     replacements: dict[int, PrepackedLinear] = {}  # one copy for a layer two parents share
     for parent, name, child in found:
         if id(child) not in replacements:
-            replacements[id(child)] = PrepackedLinear(child, rows_hint)
+            replacements[id(child)] = PrepackedLinear(child, rows_hint, kernel)
         setattr(parent, name, replacements[id(child)])
     for module in opted:
-        module.use_packed_product(PackedProduct(module.weight, None, rows_hint))
+        module.use_packed_product(PackedProduct(module.weight, None, rows_hint, kernel))
     weights = [linear.weight for linear in replacements.values()] + [module.weight for module in opted]
     extra_mb = sum(weight.numel() * weight.element_size() for weight in weights) / 2**20
-    log.info("prepacked %d weights for forwards of several tokens (+%.0f MiB)", len(weights), extra_mb)
+    log.info(
+        "prepacked %d weights for forwards of several tokens (+%.0f MiB)%s",
+        len(weights), extra_mb, f"; 2-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel" if kernel is not None else "",
+    )
     return len(weights)

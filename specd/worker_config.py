@@ -24,6 +24,12 @@ class WorkerConfig:
         "on a CPU in float32: keep a oneDNN-prepacked copy of each linear layer's weight for forwards of several "
         "tokens (a verify, a batch), which then run faster; costs a second copy of those weights in memory",
     )
+    few_row_kernel: bool = setting(
+        True,
+        "with --prepack-weights on one thread: take products of 2-8 rows (a verify, a draft tree's step) with "
+        "specd's own kernel, built with the machine's C compiler on first use, which reads each weight once for "
+        "all rows (where it cannot build or run, oneDNN's product)",
+    )
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")

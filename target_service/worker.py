@@ -26,7 +26,7 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     set_threads(config.threads)
     loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
     if config.prepack_weights:
-        prepack_linears(loaded.model)
+        prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel)
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)

@@ -45,7 +45,7 @@ def test_sweep_k_runs_each_k_through_a_stack_of_its_own(tiny_pair):
 
 
 @pytest.mark.skipif(not prepacked_linear._ops_available(), reason="torch built without oneDNN")
-def test_measure_prepack_times_both_copies(tiny_pair):
+def test_measure_prepack_times_every_copy(tiny_pair):
     target, _ = tiny_pair
     run = _run(
         "tools/measure_prepack.py", "--model", target, "--lengths", "1,3", "--context", "8", "--trials", "2", timeout=300,
@@ -54,6 +54,8 @@ def test_measure_prepack_times_both_copies(tiny_pair):
     lines = run.stdout.splitlines()
     assert any(line.strip().startswith("plain:") for line in lines)
     assert any(line.strip().startswith("prepacked:") and "3 tokens" in line for line in lines), run.stdout
+    kernel_runs = any(line.strip().startswith("kernel:") and "3 tokens" in line for line in lines)
+    assert kernel_runs != ("does not run here" in run.stdout), run.stdout
 
 
 def test_measure_tree_times_the_draft_as_its_worker_serves_it(tiny_pair):

@@ -1,10 +1,11 @@
 """Time a model's forwards with and without prepacked linear weights, side by side.
 
-Loads the model twice (as it comes, and with specd/prepacked_linear.py's layers), prefills
-both with the same context, then times forwards of each length on top of it, alternating
-which copy goes first, and prints the median per length and the ratio of each length to a
-one-token step: what `--prepack-weights` buys on this CPU. With `--cpu` it runs pinned there
-(the target worker's CPU under `specd up` is 0).
+Loads the model three times (as it comes; with specd/prepacked_linear.py's layers on oneDNN's
+product alone; and with specd's few-row kernel taking products of 2-8 rows, as a worker serves
+it on one thread), prefills each with the same context, then times forwards of each length on
+top of it, rotating which copy goes first, and prints the median per length and the ratio of
+each length to a one-token step: what `--prepack-weights` and `--few-row-kernel` buy on this
+CPU. With `--cpu` it runs pinned there (the target worker's CPU under `specd up` is 0).
 
     python tools/measure_prepack.py --cpu 0
     python tools/measure_prepack.py --model models/smollm2-draft --lengths 1,9
@@ -53,7 +54,8 @@ def time_forwards(models: dict, lengths: list[int], context: int, trials: int) -
         for trial in range(trials + 1):  # trial 0 warms up
             for n in lengths:
                 ids = torch.randint(0, vocab, (1, n), generator=generator)  # [1, n]
-                order = list(models) if trial % 2 else list(reversed(models))
+                shift = trial % len(models)
+                order = list(models)[shift:] + list(models)[:shift]  # each copy goes first in turn
                 for name in order:
                     started = time.perf_counter()
                     models[name](input_ids=ids, past_key_values=caches[name], use_cache=True, logits_to_keep=n)
@@ -72,11 +74,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     plain = load_causal_lm(args.model).model
     packed = load_causal_lm(args.model).model
-    if not prepack_linears(packed):
+    if not prepack_linears(packed, few_row_kernel=False):
         sys.exit("no linear layer of this model can be prepacked on this machine")
-    times = time_forwards({"plain": plain, "prepacked": packed}, lengths, args.context, args.trials)
+    models = {"plain": plain, "prepacked": packed}
+    kernel = load_causal_lm(args.model).model
+    prepack_linears(kernel)
+    if any(getattr(m, "product", None) is not None and m.product.kernel is not None for m in kernel.modules()):
+        models["kernel"] = kernel
+    else:
+        print("specd's few-row kernel does not run here: timing the other two")
+    times = time_forwards(models, lengths, args.context, args.trials)
     print(f"{args.model}: {args.context} tokens of context, {args.threads} thread(s), median of {args.trials}")
-    for name in ("plain", "prepacked"):
+    for name in models:
         medians = {n: statistics.median(times[(name, n)]) for n in lengths}
         cells = []
         for n in lengths:

@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="--builds: draft tokens per Propose and per branch")
     parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=True,
                         help="--builds: prepack the draft's weights as its worker does")
+    parser.add_argument("--few-row-kernel", action=argparse.BooleanOptionalAction, default=True,
+                        help="--builds: products of 2-8 rows on specd's kernel, as its worker takes them")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.builds:
@@ -106,7 +108,8 @@ def _builds(args) -> None:
     from specd.fanout import allocate
     from specd.sampling import SamplingSettings
 
-    config = DraftConfig(model=args.model or DEFAULT_DRAFT, threads=args.threads, prepack_weights=args.prepack_weights)
+    config = DraftConfig(model=args.model or DEFAULT_DRAFT, threads=args.threads, prepack_weights=args.prepack_weights,
+                         few_row_kernel=args.few_row_kernel)
     runner = load_runner(config)
     k = args.k
     prompt = list(range(10, 10 + args.context))
@@ -114,7 +117,7 @@ def _builds(args) -> None:
     runner.prefill("s", 0, prompt)
     drafts = runner.propose("s", 0, prompt, k, greedy, 0).draft_tokens
     propose = _timed(lambda: runner.propose("s", 0, prompt, k, greedy, 0), args.repeats)
-    print(f"prepacked weights: {args.prepack_weights}, context {args.context}, {args.threads} thread(s)")
+    print(f"prepacked weights: {args.prepack_weights}, few-row kernel: {args.few_row_kernel}, context {args.context}, {args.threads} thread(s)")
     print(f"Propose of {k} tokens: {propose:.2f} ms")
     for budget in (0, 1, 2, 4, 8, 16, 24):
         fanout = allocate(0.87, k, budget, runner.loaded.vocab_size, 0.5)
