@@ -192,3 +192,17 @@ def test_the_workers_take_the_kernel_unless_told_not_to(tiny_pair, few_row_kerne
     for runner in runners:
         products = [m.product for m in runner.loaded.model.modules() if isinstance(m, PrepackedLinear)]
         assert products and all((p.kernel is not None) == few_row_kernel for p in products)
+
+
+@builds_here
+@needs_onednn
+def test_a_kernel_that_disagrees_with_torch_is_not_used(fresh_cache, monkeypatch):
+    if small_rows_kernel.load() is None:
+        pytest.skip("this CPU lacks AVX2 or FMA")
+    product = small_rows_kernel.SmallRowsKernel.product
+    monkeypatch.setattr(
+        small_rows_kernel.SmallRowsKernel, "product", lambda self, x, weight, bias: product(self, x, weight, bias) + 1e-3
+    )
+    model = build_llama(VOCAB, seed=8, hidden=64, layers=1)
+    assert prepack_linears(model) > 0  # oneDNN's product still serves
+    assert all(m.product.kernel is None for m in model.modules() if isinstance(m, PrepackedLinear))
