@@ -1,8 +1,8 @@
 """specd's product for a few rows: x @ W.T over 2-8 rows that reads the weight once.
 
 On a CPU, torch's kernels (and oneDNN's, on a prepacked weight) take a product of a few rows
-at well under the rate they read weights for one row, so a verify of K+1 tokens cost ~1.5x a
-one-token step though it reads the same weights. `kernels/small_rows_linear.c` streams each
+at well under the rate they read weights for one row, so a verify of 4 tokens cost ~1.66x a
+one-token step on oneDNN's prepacked weights though it reads the same weights. `kernels/small_rows_linear.c` streams each
 weight row once with every input row's sum in a register (`python tools/measure_prepack.py`
 times it beside the other products). It is C, built with the machine's C compiler the first
 time a worker needs it and kept in specd's cache folder; where there is no compiler, no
@@ -54,6 +54,8 @@ class SmallRowsKernel:
         """x [rows, in] (contiguous float32, 1 <= rows <= MAX_ROWS) @ weight.T [in, out] (+ bias [out])
         -> [rows, out], for a weight and bias the kernel `takes`."""
         rows, out, inner = x.shape[0], weight.shape[0], weight.shape[1]
+        if not 1 <= rows <= MAX_ROWS:  # the kernel has a register of sums for MAX_ROWS rows, no more
+            raise ValueError(f"specd's few-row product takes 1 to {MAX_ROWS} rows, not {rows}")
         y = torch.empty(rows, out, dtype=torch.float32)  # [rows, out]
         bias_pointer = bias.data_ptr() if bias is not None else None
         # ctypes lets go of the GIL for the call: a worker's gRPC threads run meanwhile.

@@ -113,6 +113,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fresh_cache):
         assert torch.equal(kernel.product(x[:rows].contiguous(), weight, None), alone[:rows]), f"{rows} rows"
 
 
+@builds_here
+def test_more_rows_than_it_has_registers_for_are_refused(fresh_cache):
+    kernel = small_rows_kernel.load()
+    if kernel is None:
+        pytest.skip("this CPU lacks AVX2 or FMA")
+    with pytest.raises(ValueError):
+        kernel.product(torch.randn(small_rows_kernel.MAX_ROWS + 1, 64), torch.randn(8, 64), None)
+
+
 def test_it_does_not_take_what_it_cannot_compute():
     assert not small_rows_kernel.SmallRowsKernel.takes(torch.randn(8, 36), None)  # in % 8
     assert not small_rows_kernel.SmallRowsKernel.takes(torch.randn(8, 64, dtype=torch.float64), None)

@@ -31,6 +31,7 @@ SPECD_AVX2 static inline float sum_lanes(__m256 v) {
  * 1 <= rows <= 8, in % 8 == 0. */
 SPECD_AVX2 void specd_small_rows_linear(const float *x, long rows, const float *weight, long out, long in,
                                         const float *bias, float *y) {
+    if (rows < 1 || rows > 8) return; /* one register of sums per row: the caller keeps to 8 */
     for (long j = 0; j < out; j++) {
         const float *w = weight + j * in;
         __m256 acc[8];
