@@ -94,6 +94,11 @@ def stack_layout(threads: int, target_ranks: int = 1) -> dict[str, frozenset[int
     return local_layout(available_cpus(), threads * target_ranks)
 
 
+def cpus_flags(layout: dict[str, frozenset[int]]) -> dict[str, list[str]]:
+    """Each service's `--cpus` flag for a layout: {"target": ["--cpus", "0"], ...}."""
+    return {name: ["--cpus", format_cpu_list(cpus)] for name, cpus in layout.items()}
+
+
 def describe_cpus(cpus) -> str:
     """`CPU 0`, `CPUs 1-3`: for messages."""
     return ("CPU " if len(cpus) == 1 else "CPUs ") + format_cpu_list(cpus)

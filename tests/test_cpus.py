@@ -12,6 +12,7 @@ from specd.config import ConfigError
 from specd.cpus import (
     available_cpus,
     check_cpus,
+    cpus_flags,
     describe_cpus,
     format_cpu_list,
     local_layout,
@@ -28,6 +29,12 @@ def test_cpu_lists_parse_and_format_both_ways():
     assert format_cpu_list({4}) == "4"
     for text in ("0-2,5,7-8", "1", "0,2,4"):
         assert format_cpu_list(parse_cpu_list(text)) == text
+
+
+def test_a_layout_becomes_each_services_cpus_flag():
+    layout = local_layout({0, 1, 2, 3}, 2)
+    assert cpus_flags(layout) == {"target": ["--cpus", "0-1"], "draft": ["--cpus", "2-3"], "coordinator": ["--cpus", "2-3"]}
+    assert cpus_flags({}) == {}
 
 
 @pytest.mark.parametrize("text", ["a", "1-", "-1", "3-1", "0-x"])

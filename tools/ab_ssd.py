@@ -33,7 +33,7 @@ import grpc  # noqa: E402
 from specd import bench  # noqa: E402
 from specd.cli.supervise import stop_processes, wait_serving  # noqa: E402
 from specd.cli.up import free_port  # noqa: E402
-from specd.cpus import format_cpu_list, stack_layout  # noqa: E402
+from specd.cpus import cpus_flags, stack_layout  # noqa: E402
 from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT  # noqa: E402
 from specd.v1 import coordinator_pb2_grpc  # noqa: E402
 
@@ -71,7 +71,7 @@ def start_stack(args, log_dir: pathlib.Path, processes: list[subprocess.Popen]) 
     }
     # Each service on the CPUs `specd up` would give it: the target on its own, the rest beside
     # ({} where no CPU is left beside the target).
-    pin = {name: ["--cpus", format_cpu_list(cpus)] for name, cpus in stack_layout(1, 1).items()}
+    pin = cpus_flags(stack_layout(1, 1))
     for name, argv in workers.items():
         argv += pin.get(name, [])
     for argv in coordinators.values():

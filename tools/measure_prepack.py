@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specd.default_pair import DEFAULT_TARGET  # noqa: E402
 from specd.kv_cache import SessionKVCache  # noqa: E402
 from specd.models import load_causal_lm  # noqa: E402
-from specd.prepacked_linear import prepack_linears  # noqa: E402
+from specd.prepacked_linear import PrepackedLinear, prepack_linears  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +79,7 @@ def main() -> None:
     models = {"plain": plain, "prepacked": packed}
     kernel = load_causal_lm(args.model).model
     prepack_linears(kernel)
-    if any(getattr(m, "product", None) is not None and m.product.kernel is not None for m in kernel.modules()):
+    if any(isinstance(m, PrepackedLinear) and m.product.kernel is not None for m in kernel.modules()):
         models["kernel"] = kernel
     else:
         print("specd's few-row kernel does not run here: timing the other two")

@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specd.cpus import format_cpu_list, stack_layout  # noqa: E402
+from specd.cpus import cpus_flags, stack_layout  # noqa: E402
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from specd.v1 import common_pb2  # noqa: E402
 from specd.v1 import coordinator_pb2 as pb  # noqa: E402
@@ -178,8 +178,7 @@ def main() -> None:
     target_port, draft_port = _free_port(), _free_port()
     target_metrics, draft_metrics = _free_port(), _free_port()
     # The CPUs `specd up` gives each process, so that the figures are the stack's.
-    layout = stack_layout(1, 1)
-    pin = {name: ["--cpus", format_cpu_list(cpus)] for name, cpus in layout.items()}
+    pin = cpus_flags(stack_layout(1, 1))
     workers = [
         _serve("target", target_port, "--model", args.target, "--threads", "1", "--device", "cpu",
                *pin.get("target", []), metrics_port=target_metrics),

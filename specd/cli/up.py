@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from specd.cli.supervise import Service, Supervisor, wait_serving  # noqa: F401 - wait_serving: for tests/tools
-from specd.cpus import describe_cpus, format_cpu_list, stack_layout
+from specd.cpus import cpus_flags, describe_cpus, stack_layout
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DEFAULT_COORDINATOR_PORT = 50051
@@ -129,9 +129,9 @@ def build_services(args: argparse.Namespace, ports: dict[str, int], log_dir: pat
         argv["draft"] = ["draft", "--model", args.draft, "--port", str(ports["draft"]), *worker_flags,
                          "--metrics-port", metrics["draft"]]
     layout = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
-    for name, cpus in layout.items():
+    for name, flags in cpus_flags(layout).items():
         if name in argv:
-            argv[name] += ["--cpus", format_cpu_list(cpus)]
+            argv[name] += flags
     return [
         Service(name, argv[name], address[name], log_dir / f"{name}.log",
                 metrics_url=f"http://{host}:{metrics[name]}/metrics" if metrics[name] != "-1" else "")
