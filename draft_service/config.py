@@ -15,6 +15,9 @@ class DraftConfig(WorkerConfig):
     port: int = setting(50053, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(9403, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     max_support: int = setting(64, "at temperature > 0, truncate each q to its top-N tokens")
+    # Copy drafting (draft_service/copy_drafting.py): +20% tokens per round on the recipe's held-out prompts.
+    copy_ngram: int = setting(3, "copy drafting: mix in the token that followed the latest earlier occurrence of the context's last N tokens (0: off)")
+    copy_weight: float = setting(0.8, "copy drafting: the copied token's share of q (greedy drafts copy when it is >= 0.5)")
     # Bounds on one call's work, so that no caller holds the model thread for long: 8x the
     # coordinator's default --ssd-budget (8), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
     max_speculate_branches: int = setting(
@@ -28,5 +31,7 @@ class DraftConfig(WorkerConfig):
         super().validate()
         if self.max_support < 1:
             raise ConfigError("--max-support must be >= 1")
+        if self.copy_ngram < 0 or not 0.0 <= self.copy_weight <= 1.0:
+            raise ConfigError("--copy-ngram must be >= 0 and --copy-weight in [0, 1]")
         if self.max_speculate_branches < 1 or self.max_speculate_depth < 1:
             raise ConfigError("--max-speculate-branches and --max-speculate-depth must be >= 1")

@@ -2,9 +2,9 @@
 
 While the target verifies d_1..d_K, the draft guesses the outcome (k accepted, t*). At each
 position j (after d_j; j = 0 is after the last committed token) the guesses are the draft's
-top-F_j tokens other than d_{j+1} (a rejected token has zero residual mass, so it is never
-t*). Every guess g starts a branch; K' batched forwards then extend all B branches by one
-token each.
+top-F_j tokens other than d_{j+1}, ranked as q' ranks them (copy drafting's token first; a
+rejected token has zero residual mass, so it is never t*). Every guess g starts a branch; K'
+batched forwards then extend all B branches by one token each.
 
 Cost: one forward over [pending committed..., d_1..d_K] (step 0) and K' forwards of B tokens.
 The prefix KV cache is never copied: the B branch tokens of each step are appended to the
@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch
 
+from draft_service.copy_drafting import OFF, CopyDrafting, copied_token
 from draft_service.tree_mask import TreeMasks, tree_supported
+from specd.context_match import ContextMatcher
 from specd.forward import forward_logits
 from specd.kv_cache import croppable
 from specd.packed_forward import Segment
@@ -102,17 +104,20 @@ def sample_draft_token(dist: SparseDist, sampling: SamplingSettings, position: i
     return sample_sparse(dist, keyed_uniform(sampling.seed, position, Purpose.DRAFT))
 
 
-def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int]) -> list[tuple[int, int]]:
+def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int], copies: list[int | None]) -> list[tuple[int, int]]:
     """(j, g) for every branch: the top-F_j tokens at position j, d_{j+1} left out for j < K.
 
-    logits: [K+1, V]. Ranked by the raw draft logits, whose order every q shares.
+    logits: [K+1, V]. Ranked as q' ranks them: the copied token at j (copies[j], None for none)
+    first, then by the raw draft logits, whose order every q shares.
     """
     roots: list[tuple[int, int]] = []
     vocab = logits.shape[-1]
     for j, count in enumerate(fanout):
         if count <= 0:
             continue
-        ranked = torch.topk(logits[j], min(count + 1, vocab)).indices.tolist()
+        ranked = torch.topk(logits[j], min(count + 2, vocab)).indices.tolist()
+        if copies[j] is not None:
+            ranked = [copies[j]] + [t for t in ranked if t != copies[j]]
         excluded = draft_tokens[j] if j < len(draft_tokens) else None
         roots.extend((j, g) for g in [t for t in ranked if t != excluded][:count])
     return roots
@@ -137,6 +142,7 @@ def build_steps(
     saguaro_fanout: list[int] | None = None,
     cancel: threading.Event | None = None,
     on_guesses: Callable[[list[tuple[int, int]]], None] | None = None,
+    copy: CopyDrafting = OFF,
 ) -> Job:
     """Build the speculation cache for the round verifying `draft_tokens` after `committed`.
 
@@ -152,16 +158,18 @@ def build_steps(
         Segment(session.cache, fed, kept), lambda: forward_logits(model, session.cache, fed, kept)
     ))  # [K+1, V]
     session.extend(fed)
-    roots = _guesses(logits, draft_tokens, fanout)
+    matcher = copy.matcher(committed)
+    copies = [copied_token(matcher, draft_tokens[:j]) for j in range(len(fanout))]
+    roots = _guesses(logits, draft_tokens, fanout, copies)
     if on_guesses is not None:
         on_guesses(roots)  # the caller can tell a miss now, K' tree steps before the entries
     if not roots or num_tokens == 0 or not croppable(session.cache) or not tree_supported(model.config):
         # Sliding-window caches cannot drop the tree afterwards, and layers that are neither
         # full nor sliding-window attention get no mask here: no branches for them.
         return SpeculationResult([], (time.perf_counter() - started) * 1000.0)
-    tree = _Tree(model, session, len(committed), roots, num_tokens)
+    tree = _Tree(model, session, len(committed), roots, num_tokens, draft_tokens)
     assert tree.prefix_len == len(committed) + len(draft_tokens)
-    draft = _TreeDraft(sampling, max_support, saguaro_c, saguaro_fanout or [])
+    draft = _TreeDraft(sampling, max_support, saguaro_c, saguaro_fanout or [], copy, matcher)
     try:
         for step in range(1, num_tokens + 1):
             if cancel is not None and cancel.is_set():
@@ -174,23 +182,30 @@ def build_steps(
 
 @dataclasses.dataclass(frozen=True)
 class _TreeDraft:
-    """How each tree step's tokens are drafted: the request's sampling and Saguaro settings."""
+    """How each tree step's tokens are drafted: the request's sampling and Saguaro settings, and copy drafting."""
 
     sampling: SamplingSettings
     max_support: int
     saguaro_c: float
     saguaro_fanout: list[int]  # per tree step; past its end, no reshaping
+    copy: CopyDrafting = OFF
+    matcher: ContextMatcher | None = None  # over the committed tokens; None: copy drafting is off
 
-    def dists(self, step: int, logits: torch.Tensor) -> list[SparseDist]:
+    def dists(self, step: int, logits: torch.Tensor, histories: list[list[int]]) -> list[SparseDist]:
+        """Each row's q'; histories[b]: row b's tokens after the committed ones, the one it feeds included."""
         saguaro_f = self.saguaro_fanout[step - 1] if step - 1 < len(self.saguaro_fanout) else 0
-        return draft_distributions(logits, self.sampling, self.max_support, self.saguaro_c, saguaro_f)
+        dists = draft_distributions(logits, self.sampling, self.max_support, self.saguaro_c, saguaro_f)
+        if self.matcher is None:
+            return dists
+        return [self.copy.mix(d, self.matcher.next_token(h), self.sampling.greedy) for d, h in zip(dists, histories)]
 
 
 class _Tree:
     """The B branches grown on top of the session's KV cache, one token each per step."""
 
-    def __init__(self, model, session: Session, n: int, roots: list[tuple[int, int]], num_tokens: int):
+    def __init__(self, model, session: Session, n: int, roots: list[tuple[int, int]], num_tokens: int, drafted: list[int]):
         self.model = model
+        self.drafted = drafted  # d_1..d_K, the round's draft the branches start beside
         self.session = session
         self.n = n  # absolute position of d_1; guess (j, g) sits at n + j
         self.roots = roots
@@ -207,13 +222,18 @@ class _Tree:
         positions = self.n + self.offsets + step - 1  # [B]
         segment = Segment(self.session.cache, self.tokens, len(self.tokens), self.masks.visible_at(step), positions.tolist())
         logits, _ = yield from guarded_step(self.session, Step(segment, lambda: self._alone(step, positions)))  # [B, V]
-        dists = draft.dists(step, logits)
+        dists = draft.dists(step, logits, [self._history(b) for b in range(len(self.roots))])
         self.tokens = []
         for b, (j, _) in enumerate(self.roots):
             token = sample_draft_token(dists[b], draft.sampling, self.n + j + step)
             self.branch_tokens[b].append(token)
             self.branch_dists[b].append(dists[b])
             self.tokens.append(token)
+
+    def _history(self, b: int) -> list[int]:
+        """Branch b's tokens after the committed ones: d_1..d_j, its guess g, what it has drafted."""
+        j, g = self.roots[b]
+        return self.drafted[:j] + [g] + self.branch_tokens[b]
 
     @torch.inference_mode()
     def _alone(self, step: int, positions: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -67,22 +67,22 @@ def test_branches_equal_proposals_under_a_sliding_window(windowed_runner, temper
     _assert_branches_equal_proposals(windowed_runner, 4, 4, temperature)
 
 
-def _assert_branches_equal_proposals(runner, num_draft: int, num_tokens: int, temperature: float) -> None:
+def _assert_branches_equal_proposals(runner, num_draft: int, num_tokens: int, temperature: float, prompt: list[int] = PROMPT) -> None:
     sampling = SamplingSettings(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=1234)
-    _fresh(runner, "tree", PROMPT)
-    drafts = runner.propose("tree", 0, PROMPT, num_draft, sampling, 0).draft_tokens if num_draft else []
+    _fresh(runner, "tree", prompt)
+    drafts = runner.propose("tree", 0, prompt, num_draft, sampling, 0).draft_tokens if num_draft else []
     fanout = [2] * num_draft + [3]
-    result = runner.speculate("tree", 0, PROMPT, drafts, num_tokens, fanout, sampling, 0, 1.0, [], threading.Event())
+    result = runner.speculate("tree", 0, prompt, drafts, num_tokens, fanout, sampling, 0, 1.0, [], threading.Event())
     assert len(result.branches) == sum(fanout)
     # The tree is gone: the session caches exactly committed + d_1..d_K.
     session = runner.sessions.open("tree", 0)
-    assert session.cached_tokens == PROMPT + drafts
-    assert session.cache.get_seq_length() == len(PROMPT) + num_draft
+    assert session.cached_tokens == prompt + drafts
+    assert session.cache.get_seq_length() == len(prompt) + num_draft
     for branch in result.branches:
         k = branch.accepted
         if k < num_draft:
             assert branch.next_token != drafts[k], "a drafted token is never the recovered token"
-        history = PROMPT + drafts[:k] + [branch.next_token]
+        history = prompt + drafts[:k] + [branch.next_token]
         _fresh(runner, "plain", history)
         plain = runner.propose("plain", 0, history, num_tokens, sampling, 0)
         assert branch.draft_tokens == plain.draft_tokens, (k, branch.next_token)

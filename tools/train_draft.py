@@ -20,8 +20,9 @@ models/smollm2-draft/README.md):
   export    the committed files: config, its own layers + final norm + head + vocabulary
             (bf16), the target's tokenizer files (run after train, and by it);
   evaluate  greedy tokens per round at K on held-out prompts (code, chat, and requests the
-            target writes itself from a seed no shard uses) and the step times of draft and
-            target at one thread.
+            target writes itself from a seed no shard uses), as the draft worker serves the
+            draft (copy drafting at its defaults) and of the draft alone, and the step times of
+            draft and target at one thread.
 """
 
 from __future__ import annotations
@@ -365,36 +366,55 @@ def step_ms(model, context: int, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def stage_evaluate(args) -> dict:
+def replay_heldout(loaded_draft, heldout: dict[str, list[tuple[list[int], list[int]]]], copy, k: int, label: str) -> dict:
+    """Tokens per round of greedy SD at K over the held-out (prompt, target continuation) pairs of each kind."""
     from draft_service.runner import DraftModelRunner
+    from specd.session_cache import SessionStore
+
+    runner = DraftModelRunner(loaded_draft, SessionStore(max_sessions=1, idle_timeout_s=3600.0), max_support=1, copy=copy)
+    report = {"kinds": {}}
+    for kind, pairs in heldout.items():
+        per_prompt = [greedy_tokens_per_round(runner, prompt, continuation, k) for prompt, continuation in pairs]
+        tokens, rounds = sum(t for t, _ in per_prompt), sum(r for _, r in per_prompt)
+        report["kinds"][kind] = {"prompts": len(pairs), "tokens": tokens, "rounds": rounds, "tokens_per_round": tokens / rounds,
+                                 "per_prompt": [round(t / r, 3) for t, r in per_prompt]}
+        print(f"{label}, {kind}: {tokens / rounds:.3f} tokens per round at K = {k} over {len(pairs)} held-out prompts", flush=True)
+    kinds = report["kinds"].values()
+    report["tokens_per_round"] = sum(v["tokens"] for v in kinds) / sum(v["rounds"] for v in kinds)
+    coded = [report["kinds"][kind] for kind in ("code", "chat") if kind in report["kinds"]]
+    report["code_and_chat_tokens_per_round"] = sum(v["tokens"] for v in coded) / sum(v["rounds"] for v in coded)
+    print(f"{label}: {report['code_and_chat_tokens_per_round']:.3f} tokens per round on code and chat, {report['tokens_per_round']:.3f} on all", flush=True)
+    return report
+
+
+def stage_evaluate(args) -> dict:
+    from draft_service.config import DraftConfig
+    from draft_service.copy_drafting import OFF, CopyDrafting
     from specd.default_target import NAME
     from specd.models import load_causal_lm
-    from specd.session_cache import SessionStore
 
     target, tokenizer = load_target(1)
     loaded_draft = load_causal_lm(str(args.out))
-    runner = DraftModelRunner(loaded_draft, SessionStore(max_sessions=1, idle_timeout_s=3600.0), max_support=1)
     sources = draft_data.read_split(args.heldout_percent, heldout=True, root=stdlib_folder(args))
     definitions = draft_data.all_definitions(sources)
     eos = {int(tokenizer.convert_tokens_to_ids("<|im_end|>")), int(tokenizer.eos_token_id)}
-    report = {"target": NAME, "k": args.eval_k, "kinds": {}}
+    heldout = {}
     # Prompt kinds by (chat, self) fractions; the held-out self-written requests come from a seed no shard uses.
     for kind, chat_fraction, self_fraction in (("code", 0.0, 0.0), ("chat", 1.0, 0.0), ("self", 0.0, 1.0)):
         prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.eval_prompts, args.seed + 7, chat_fraction, args.max_prompt_tokens, self_fraction)
         draft_data.write_self_chats(target, tokenizer, prompts, definitions, args.seed + 8)
         ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
         rows = draft_data.continue_batch(target, ids, args.eval_new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
-        per_prompt = [greedy_tokens_per_round(runner, p, r["generated_ids"], args.eval_k) for p, r in zip(ids, rows)]
-        tokens, rounds = sum(t for t, _ in per_prompt), sum(r for _, r in per_prompt)
-        report["kinds"][kind] = {"prompts": len(ids), "tokens": tokens, "rounds": rounds, "tokens_per_round": tokens / rounds,
-                                 "per_prompt": [round(t / r, 3) for t, r in per_prompt]}
-        print(f"{kind}: {tokens / rounds:.3f} tokens per round at K = {args.eval_k} over {len(ids)} held-out prompts", flush=True)
-    kinds = report["kinds"].values()
-    report["tokens_per_round"] = sum(v["tokens"] for v in kinds) / sum(v["rounds"] for v in kinds)
+        heldout[kind] = [(p, r["generated_ids"]) for p, r in zip(ids, rows)]
+    # As the draft worker serves it (copy drafting at its defaults), and the draft model alone.
+    served = CopyDrafting(DraftConfig.copy_ngram, DraftConfig.copy_weight)
+    report = {"target": NAME, "k": args.eval_k, "copy_ngram": served.ngram, "copy_weight": served.weight}
+    report.update(replay_heldout(loaded_draft, heldout, served, args.eval_k, "served"))
+    report["draft_alone"] = replay_heldout(loaded_draft, heldout, OFF, args.eval_k, "draft alone")
     torch.set_num_threads(1)
     draft_ms, target_ms = step_ms(loaded_draft.model, 256, args.eval_repeats), step_ms(target, 256, args.eval_repeats)
     report.update(draft_step_ms=draft_ms, target_step_ms=target_ms, c=draft_ms / target_ms)
-    print(f"all: {report['tokens_per_round']:.3f} tokens per round; draft step {draft_ms:.2f} ms, target step {target_ms:.2f} ms, c = {draft_ms / target_ms:.3f}", flush=True)
+    print(f"served, all: {report['tokens_per_round']:.3f} tokens per round; draft step {draft_ms:.2f} ms, target step {target_ms:.2f} ms, c = {draft_ms / target_ms:.3f}", flush=True)
     (args.work / "evaluation.json").write_text(json.dumps(report, indent=2))
     return report
 

@@ -1,0 +1,37 @@
+"""The token that followed the latest earlier occurrence of a history's last n tokens.
+
+Answers quote their prompts (the code under review, the function to document, a name defined
+a few lines up) and code repeats itself; where the history's last few tokens occurred before,
+what followed them then is a strong guess at what follows now (draft_service/copy_drafting.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+class ContextMatcher:
+    """Continuations looked up in one history: `committed`, fixed for a call, plus a few tokens after it."""
+
+    def __init__(self, committed: Sequence[int], ngram: int):
+        if ngram < 1:
+            raise ValueError(f"ngram must be >= 1, got {ngram}")
+        self.ngram = ngram
+        self.committed = np.asarray(committed, dtype=np.int64)  # [C]
+
+    def next_token(self, extra: Sequence[int] = ()) -> int | None:
+        """The token after the latest earlier occurrence of the last `ngram` tokens of
+        committed + extra; None when they do not occur earlier."""
+        n = self.ngram
+        history = np.concatenate((self.committed, np.asarray(extra, dtype=np.int64))) if len(extra) else self.committed  # [L]
+        windows = len(history) - n  # windows start at 0..L-n-1: each has a following token
+        if windows < 1:
+            return None
+        suffix = history[windows:]  # [n]
+        hits = history[:windows] == suffix[0]  # [L-n]: window j starts with the suffix's first token
+        for i in range(1, n):
+            hits &= history[i : windows + i] == suffix[i]
+        found = np.flatnonzero(hits)
+        return int(history[found[-1] + n]) if found.size else None
