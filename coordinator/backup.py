@@ -15,6 +15,7 @@ from coordinator.speculation_cache import Draft
 from coordinator.ssd_sizing import RequestSizing
 from coordinator.ssd_speculator import saguaro
 from coordinator.draft_link import DraftLink
+from specd.context_match import ContextMatcher
 from specd.sampling import SparseDist
 
 
@@ -53,10 +54,9 @@ def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> li
     if num_tokens <= 0:
         return []
     for n in range(min(max_ngram, len(history) - 1), 0, -1):
-        suffix = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start : start + n] == suffix:
-                return _copy_forward(history, start + n, num_tokens)
+        source = ContextMatcher(history, n).match_end()
+        if source is not None:
+            return _copy_forward(history, source, num_tokens)
     return []
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from draft_service.copy_drafting import CopyDrafting
 from specd.config import ConfigError, setting
 from specd.default_pair import DEFAULT_DRAFT
 from specd.worker_config import WorkerConfig
@@ -27,11 +28,16 @@ class DraftConfig(WorkerConfig):
         32, "most draft tokens one Propose, or one Speculate per branch, may ask for, and most tokens a Speculate verifies beside"
     )
 
+    def copy_drafting(self) -> CopyDrafting:
+        return CopyDrafting(self.copy_ngram, self.copy_weight)
+
     def validate(self) -> None:
         super().validate()
         if self.max_support < 1:
             raise ConfigError("--max-support must be >= 1")
-        if self.copy_ngram < 0 or not 0.0 <= self.copy_weight <= 1.0:
-            raise ConfigError("--copy-ngram must be >= 0 and --copy-weight in [0, 1]")
+        try:
+            self.copy_drafting()
+        except ValueError:
+            raise ConfigError("--copy-ngram must be >= 0 and --copy-weight in [0, 1]") from None
         if self.max_speculate_branches < 1 or self.max_speculate_depth < 1:
             raise ConfigError("--max-speculate-branches and --max-speculate-depth must be >= 1")

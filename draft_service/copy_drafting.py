@@ -36,9 +36,9 @@ class CopyDrafting:
     def enabled(self) -> bool:
         return self.ngram > 0 and self.weight > 0.0
 
-    def matcher(self, committed: Sequence[int]) -> ContextMatcher | None:
-        """A matcher over `committed` for one call's drafts; None when copy drafting is off."""
-        return ContextMatcher(committed, self.ngram) if self.enabled else None
+    def over(self, committed: Sequence[int]) -> "Copier":
+        """Copy drafting for one call's drafts after `committed`."""
+        return Copier(self, ContextMatcher(committed, self.ngram) if self.enabled else None)
 
     def mix(self, dist: SparseDist, copy: int | None, greedy: bool) -> SparseDist:
         """q' from the model's q (`dist`) and the copied token (None: no match, q unchanged)."""
@@ -59,6 +59,17 @@ class CopyDrafting:
 OFF = CopyDrafting()
 
 
-def copied_token(matcher: ContextMatcher | None, extra: Sequence[int]) -> int | None:
-    """The copy after committed + `extra`, or None (no matcher: copy drafting is off)."""
-    return matcher.next_token(extra) if matcher is not None else None
+@dataclasses.dataclass(frozen=True)
+class Copier:
+    """Copy drafting over one call's committed tokens; `extra` is what follows them in a row's history."""
+
+    settings: CopyDrafting
+    matcher: ContextMatcher | None  # None: copy drafting is off
+
+    def copy_after(self, extra: Sequence[int]) -> int | None:
+        """The copied token after committed + `extra`, or None."""
+        return self.matcher.next_token(extra) if self.matcher is not None else None
+
+    def mix(self, dist: SparseDist, extra: Sequence[int], greedy: bool) -> SparseDist:
+        """q' for the row whose history is committed + `extra`."""
+        return self.settings.mix(dist, self.copy_after(extra), greedy) if self.matcher is not None else dist

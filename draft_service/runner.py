@@ -11,7 +11,7 @@ import dataclasses
 
 import threading
 
-from draft_service.copy_drafting import OFF, CopyDrafting, copied_token
+from draft_service.copy_drafting import OFF, CopyDrafting
 from draft_service.speculation import SpeculationResult, build_steps, draft_distributions, sample_draft_token
 from specd.forward import forward_logits, prefill_session
 from specd.lean_llama import lean_or_plain
@@ -62,7 +62,7 @@ class DraftModelRunner:
         session = self.sessions.open(session_id, start)
         committed, feed = session.sync(start, tokens)
         support = max_support or self.max_support
-        matcher = self.copy.matcher(committed)
+        copier = self.copy.over(committed)
         draft_tokens: list[int] = []
         dists: list[SparseDist] = []
         total_ms = 0.0
@@ -72,7 +72,7 @@ class DraftModelRunner:
             total_ms += forward_ms
             saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
             dist = draft_distributions(logits, sampling, support, saguaro_c, saguaro_f)[0]
-            dist = self.copy.mix(dist, copied_token(matcher, draft_tokens), sampling.greedy)
+            dist = copier.mix(dist, draft_tokens, sampling.greedy)
             token = sample_draft_token(dist, sampling, len(committed) + i)
             draft_tokens.append(token)
             dists.append(dist)

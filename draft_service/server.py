@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 from draft_service.config import DraftConfig
-from draft_service.copy_drafting import CopyDrafting
 from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
 from specd.forward import warm_up
@@ -32,7 +31,7 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
         prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel)  # after the resize: a tied output layer is packed as it will serve
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
-    return DraftModelRunner(loaded, sessions, config.max_support, CopyDrafting(config.copy_ngram, config.copy_weight))
+    return DraftModelRunner(loaded, sessions, config.max_support, config.copy_drafting())
 
 
 async def start_draft(config: DraftConfig, interceptors: list | None = None, tracer_provider=None) -> RunningService:

@@ -22,9 +22,8 @@ from typing import Callable
 
 import torch
 
-from draft_service.copy_drafting import OFF, CopyDrafting, copied_token
+from draft_service.copy_drafting import OFF, Copier, CopyDrafting
 from draft_service.tree_mask import TreeMasks, tree_supported
-from specd.context_match import ContextMatcher
 from specd.forward import forward_logits
 from specd.kv_cache import croppable
 from specd.packed_forward import Segment
@@ -115,7 +114,7 @@ def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int], c
     for j, count in enumerate(fanout):
         if count <= 0:
             continue
-        ranked = torch.topk(logits[j], min(count + 2, vocab)).indices.tolist()
+        ranked = torch.topk(logits[j], min(count + 1, vocab)).indices.tolist()
         if copies[j] is not None:
             ranked = [copies[j]] + [t for t in ranked if t != copies[j]]
         excluded = draft_tokens[j] if j < len(draft_tokens) else None
@@ -158,9 +157,8 @@ def build_steps(
         Segment(session.cache, fed, kept), lambda: forward_logits(model, session.cache, fed, kept)
     ))  # [K+1, V]
     session.extend(fed)
-    matcher = copy.matcher(committed)
-    copies = [copied_token(matcher, draft_tokens[:j]) for j in range(len(fanout))]
-    roots = _guesses(logits, draft_tokens, fanout, copies)
+    copier = copy.over(committed)
+    roots = _guesses(logits, draft_tokens, fanout, [copier.copy_after(draft_tokens[:j]) for j in range(len(fanout))])
     if on_guesses is not None:
         on_guesses(roots)  # the caller can tell a miss now, K' tree steps before the entries
     if not roots or num_tokens == 0 or not croppable(session.cache) or not tree_supported(model.config):
@@ -169,7 +167,7 @@ def build_steps(
         return SpeculationResult([], (time.perf_counter() - started) * 1000.0)
     tree = _Tree(model, session, len(committed), roots, num_tokens, draft_tokens)
     assert tree.prefix_len == len(committed) + len(draft_tokens)
-    draft = _TreeDraft(sampling, max_support, saguaro_c, saguaro_fanout or [], copy, matcher)
+    draft = _TreeDraft(sampling, max_support, saguaro_c, saguaro_fanout or [], copier)
     try:
         for step in range(1, num_tokens + 1):
             if cancel is not None and cancel.is_set():
@@ -188,16 +186,13 @@ class _TreeDraft:
     max_support: int
     saguaro_c: float
     saguaro_fanout: list[int]  # per tree step; past its end, no reshaping
-    copy: CopyDrafting = OFF
-    matcher: ContextMatcher | None = None  # over the committed tokens; None: copy drafting is off
+    copier: Copier  # copy drafting over the committed tokens
 
     def dists(self, step: int, logits: torch.Tensor, histories: list[list[int]]) -> list[SparseDist]:
         """Each row's q'; histories[b]: row b's tokens after the committed ones, the one it feeds included."""
         saguaro_f = self.saguaro_fanout[step - 1] if step - 1 < len(self.saguaro_fanout) else 0
         dists = draft_distributions(logits, self.sampling, self.max_support, self.saguaro_c, saguaro_f)
-        if self.matcher is None:
-            return dists
-        return [self.copy.mix(d, self.matcher.next_token(h), self.sampling.greedy) for d, h in zip(dists, histories)]
+        return [self.copier.mix(d, h, self.sampling.greedy) for d, h in zip(dists, histories)]
 
 
 class _Tree:

@@ -24,8 +24,19 @@ class ContextMatcher:
     def next_token(self, extra: Sequence[int] = ()) -> int | None:
         """The token after the latest earlier occurrence of the last `ngram` tokens of
         committed + extra; None when they do not occur earlier."""
+        history = self._history(extra)
+        end = self._match_end(history)
+        return int(history[end]) if end is not None else None
+
+    def match_end(self, extra: Sequence[int] = ()) -> int | None:
+        """The position right after that occurrence (where its continuation starts), or None."""
+        return self._match_end(self._history(extra))
+
+    def _history(self, extra: Sequence[int]) -> np.ndarray:
+        return np.concatenate((self.committed, np.asarray(extra, dtype=np.int64))) if len(extra) else self.committed  # [L]
+
+    def _match_end(self, history: np.ndarray) -> int | None:
         n = self.ngram
-        history = np.concatenate((self.committed, np.asarray(extra, dtype=np.int64))) if len(extra) else self.committed  # [L]
         windows = len(history) - n  # windows start at 0..L-n-1: each has a following token
         if windows < 1:
             return None
@@ -34,4 +45,4 @@ class ContextMatcher:
         for i in range(1, n):
             hits &= history[i : windows + i] == suffix[i]
         found = np.flatnonzero(hits)
-        return int(history[found[-1] + n]) if found.size else None
+        return int(found[-1]) + n if found.size else None

@@ -42,6 +42,7 @@ def test_the_latest_earlier_occurrence_is_copied():
     assert ContextMatcher(REPEATING, 3).next_token() == 99
     assert ContextMatcher(REPEATING, 3).next_token([99, 7]) == 3  # the suffix reaches into the extra tokens
     assert ContextMatcher([1, 2, 3, 4], 2).next_token() is None
+    assert ContextMatcher([1, 2, 3, 9, 1, 2, 3, 8, 1, 2], 2).match_end([3]) == 7  # where the copy (8) starts
     assert ContextMatcher([7, 7], 1).next_token() == 7
     assert ContextMatcher([7], 1).next_token() is None  # nothing before the suffix
     assert ContextMatcher([1, 2, 1, 2, 1], 3).next_token([2]) == 1  # overlapping, periodic
@@ -150,6 +151,7 @@ def copying_stack(tiny_pair):
 def test_greedy_output_is_the_targets(copying_stack, tiny_pair, mode):
     model, tokenizer = load_reference(tiny_pair[0])
     ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    assert copying_stack.draft.servicer.runner.copy == CopyDrafting(COPYING["copy_ngram"], COPYING["copy_weight"])
     response = copying_stack.stub().Generate(request(ids, mode=mode, k=4, max_new_tokens=40), timeout=CALL_TIMEOUT_S)
     assert response.stats.mode == mode and not response.stats.fallback_reason
     assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), greedy_reference(model, ids, 40))

@@ -389,7 +389,7 @@ def replay_heldout(loaded_draft, heldout: dict[str, list[tuple[list[int], list[i
 
 def stage_evaluate(args) -> dict:
     from draft_service.config import DraftConfig
-    from draft_service.copy_drafting import OFF, CopyDrafting
+    from draft_service.copy_drafting import OFF
     from specd.default_target import NAME
     from specd.models import load_causal_lm
 
@@ -407,7 +407,7 @@ def stage_evaluate(args) -> dict:
         rows = draft_data.continue_batch(target, ids, args.eval_new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
         heldout[kind] = [(p, r["generated_ids"]) for p, r in zip(ids, rows)]
     # As the draft worker serves it (copy drafting at its defaults), and the draft model alone.
-    served = CopyDrafting(DraftConfig.copy_ngram, DraftConfig.copy_weight)
+    served = DraftConfig().copy_drafting()
     report = {"target": NAME, "k": args.eval_k, "copy_ngram": served.ngram, "copy_weight": served.weight}
     report.update(replay_heldout(loaded_draft, heldout, served, args.eval_k, "served"))
     report["draft_alone"] = replay_heldout(loaded_draft, heldout, OFF, args.eval_k, "draft alone")
