@@ -199,7 +199,9 @@ def format_table(result: dict) -> str:
             lines.append(f"{mode:<12}skipped: {m['skipped']}")
             continue
         ratio = m["tokens_per_s"] / off if off else None
-        spread = f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"
+        # One pass has no spread to show.
+        one_pass = result.get("settings", {}).get("repeats") == 1
+        spread = "-" if one_pass else f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"
         lines.append(
             f"{mode:<12}{m['tokens_per_s']:>8.1f}{spread:>16}{fmt(ratio, '.2f'):>8}"
             f"{fmt(m['acceptance_rate'], '.3f'):>8}{fmt(m['tokens_per_round'], '.2f'):>10}"
