@@ -17,10 +17,12 @@ draft's 2.23 tokens per round on code and chat rose to 2.67 with ngram 3 (docs/c
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from specd.context_match import ContextMatcher
-from specd.sampling import SparseDist
+
+if TYPE_CHECKING:  # specd.sampling imports torch; the draft's settings (and --help) load without it
+    from specd.sampling import SparseDist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class CopyDrafting:
         if copy is None or not self.enabled:
             return dist
         if greedy:
-            return SparseDist(token_ids=[copy], probs=[1.0]) if self.weight >= 0.5 else dist
+            return dataclasses.replace(dist, token_ids=[copy], probs=[1.0]) if self.weight >= 0.5 else dist
         ids = list(dist.token_ids)
         probs = [(1.0 - self.weight) * p for p in dist.probs]
         if copy in ids:
@@ -53,7 +55,7 @@ class CopyDrafting:
         else:
             ids.append(copy)
             probs.append(self.weight)
-        return SparseDist(token_ids=ids, probs=probs)
+        return dataclasses.replace(dist, token_ids=ids, probs=probs)
 
 
 OFF = CopyDrafting()

@@ -6,17 +6,16 @@ import dataclasses
 import hashlib
 import json
 import logging
-import pathlib
 
 import torch
 
-from specd import default_target
 from specd.draft_model import DraftLlamaForCausalLM, borrow_from_target
+from specd.model_names import DTYPE_NAMES, resolve
 from specd.sampling import SamplingSettings
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # generation_config fields that change what plain decoding emits but that specd
 # does not apply; a checkpoint setting one is served without it, and says so.
@@ -54,19 +53,6 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def resolve(name: str) -> str:
-    """What from_pretrained should load for `name`: the default target's name becomes its
-    converted folder (converted on first use); a name that looks like a path must exist."""
-    if name == default_target.NAME:
-        return str(default_target.target_folder())
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or pathlib.Path(name).exists():
-        path = pathlib.Path(name).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"no such folder: {name} (a model is a local folder or a hub id like org/name)")
-        return str(path)
-    return name
 
 
 def load_tokenizer(name: str):

@@ -96,7 +96,7 @@ def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
 
 def check_models(names: list[str]) -> None:
     """Fail before starting anything when a model that looks like a path does not exist."""
-    from specd.models import resolve
+    from specd.model_names import resolve
 
     for name in names:
         if name and name != DEFAULT_TARGET:
