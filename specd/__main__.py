@@ -1,5 +1,3 @@
-import sys
+from specd.cli import run_program
 
-from specd.cli import main
-
-sys.exit(main())
+run_program()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -48,5 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run_program() -> None:
+    """The `specd` program: main(), then exit. Not main() itself, which tests call in-process.
+
+    The garbage is frozen first: an interpreter that imported torch and transformers spends
+    ~2.4 s of CPU at exit collecting their objects (0.35 s frozen; measured on the 2-core
+    machine), which made stopping a `specd up` stack take 7.7 s. Exit handlers still run:
+    logs and spans are flushed as before.
+    """
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program()
