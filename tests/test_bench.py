@@ -43,3 +43,16 @@ def test_bench_runs_every_mode_and_writes_the_json(tiny_pair, tmp_path):
     assert result["identical_outputs"] is True
     assert "ssd reached" in run.stdout and "per round in the stack" in run.stdout
     assert "greedy outputs identical across specd modes: yes" in run.stdout
+
+
+def test_the_table_shows_a_spread_only_between_passes():
+    from specd import bench
+
+    def result(repeats, rates):
+        runs = {"off": [bench.ModeRun(tokens=rate, seconds=1.0, rounds=rate) for rate in rates]}
+        return {"modes": bench.summarize(runs), "settings": {"repeats": repeats}}
+
+    one = bench.format_table(result(1, [10])).splitlines()[1].split()
+    two = bench.format_table(result(2, [9, 11])).splitlines()[1].split()
+    assert one[:3] == ["off", "10.0", "-"], one
+    assert two[:3] == ["off", "10.0", "9.0-11.0"], two

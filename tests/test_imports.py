@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("specd", "coordinator", "draft_service", "target_service")
@@ -52,3 +54,15 @@ def test_no_import_cycle():
     graph = {name: {dep for dep in deps if not name.startswith(dep + ".")} for name, deps in graph.items()}
     cycles = [cycle for name in sorted(graph) if (cycle := _cycle_from(name, graph))]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_what_runs_before_a_model_loads_does_not_import_torch():
+    """`specd up` checks its flags, and `specd serve ROLE` parses its settings (and prints --help),
+    without torch and transformers: importing them takes ~9 s on the 2-core machine."""
+    code = (
+        "import sys; import specd.cli.up, specd.cli.serve, target_service.config, draft_service.config, coordinator.config; "
+        "from specd.model_names import resolve; resolve('.'); "
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); print(heavy); sys.exit(bool(heavy))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
