@@ -20,9 +20,10 @@ models/smollm2-draft/README.md):
   export    the committed files: config, its own layers + final norm + head + vocabulary
             (bf16), the target's tokenizer files (run after train, and by it);
   evaluate  greedy tokens per round at K on held-out prompts (code, chat, and requests the
-            target writes itself from a seed no shard uses), as the draft worker serves the
-            draft (copy drafting at its defaults) and of the draft alone, and the step times of
-            draft and target at one thread.
+            target writes itself from a seed no shard uses), or on the prompts of
+            --prompts-file, as the draft worker serves the draft (copy drafting at its
+            defaults) and of the draft alone, and the step times of draft and target at one
+            thread.
 """
 
 from __future__ import annotations
@@ -378,13 +379,46 @@ def replay_heldout(loaded_draft, heldout: dict[str, list[tuple[list[int], list[i
         tokens, rounds = sum(t for t, _ in per_prompt), sum(r for _, r in per_prompt)
         report["kinds"][kind] = {"prompts": len(pairs), "tokens": tokens, "rounds": rounds, "tokens_per_round": tokens / rounds,
                                  "per_prompt": [round(t / r, 3) for t, r in per_prompt]}
-        print(f"{label}, {kind}: {tokens / rounds:.3f} tokens per round at K = {k} over {len(pairs)} held-out prompts", flush=True)
+        print(f"{label}, {kind}: {tokens / rounds:.3f} tokens per round at K = {k} over {len(pairs)} prompts", flush=True)
     kinds = report["kinds"].values()
     report["tokens_per_round"] = sum(v["tokens"] for v in kinds) / sum(v["rounds"] for v in kinds)
     coded = [report["kinds"][kind] for kind in ("code", "chat") if kind in report["kinds"]]
     report["code_and_chat_tokens_per_round"] = sum(v["tokens"] for v in coded) / sum(v["rounds"] for v in coded)
     print(f"{label}: {report['code_and_chat_tokens_per_round']:.3f} tokens per round on code and chat, {report['tokens_per_round']:.3f} on all", flush=True)
     return report
+
+
+def heldout_continuations(args, target, tokenizer, eos: set[int]) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """The recipe's held-out prompts of each kind and the target's greedy continuation of each."""
+    sources = draft_data.read_split(args.heldout_percent, heldout=True, root=stdlib_folder(args))
+    definitions = draft_data.all_definitions(sources)
+    heldout = {}
+    # Prompt kinds by (chat, self) fractions; the held-out self-written requests come from a seed no shard uses.
+    for kind, chat_fraction, self_fraction in (("code", 0.0, 0.0), ("chat", 1.0, 0.0), ("self", 0.0, 1.0)):
+        prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.eval_prompts, args.seed + 7, chat_fraction, args.max_prompt_tokens, self_fraction)
+        draft_data.write_self_chats(target, tokenizer, prompts, definitions, args.seed + 8)
+        ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
+        rows = draft_data.continue_batch(target, ids, args.eval_new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
+        heldout[kind] = [(p, r["generated_ids"]) for p, r in zip(ids, rows)]
+    return heldout
+
+
+def file_continuations(path: Path, target, tokenizer, new_tokens: int, eos: set[int]) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """The prompts of a JSON list and the target's greedy continuation of each (to its end of turn,
+    `new_tokens` at most). A string is a completion prompt (kind code); a list of messages
+    ({"role", "content"}) is a chat, rendered with the target's chat template (kind chat)."""
+    by_kind: dict[str, list[list[int]]] = {}
+    for entry in json.loads(path.read_text()):
+        if isinstance(entry, str):
+            kind, text = "code", entry
+        else:
+            kind, text = "chat", tokenizer.apply_chat_template(entry, add_generation_prompt=True, tokenize=False)
+        by_kind.setdefault(kind, []).append(tokenizer(text)["input_ids"])
+    continued = {}
+    for kind, ids in by_kind.items():
+        rows = draft_data.continue_batch(target, ids, new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
+        continued[kind] = [(p, r["generated_ids"]) for p, r in zip(ids, rows)]
+    return continued
 
 
 def stage_evaluate(args) -> dict:
@@ -395,26 +429,22 @@ def stage_evaluate(args) -> dict:
 
     target, tokenizer = load_target(1)
     loaded_draft = load_causal_lm(str(args.out))
-    sources = draft_data.read_split(args.heldout_percent, heldout=True, root=stdlib_folder(args))
-    definitions = draft_data.all_definitions(sources)
     eos = {int(tokenizer.convert_tokens_to_ids("<|im_end|>")), int(tokenizer.eos_token_id)}
-    heldout = {}
-    # Prompt kinds by (chat, self) fractions; the held-out self-written requests come from a seed no shard uses.
-    for kind, chat_fraction, self_fraction in (("code", 0.0, 0.0), ("chat", 1.0, 0.0), ("self", 0.0, 1.0)):
-        prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.eval_prompts, args.seed + 7, chat_fraction, args.max_prompt_tokens, self_fraction)
-        draft_data.write_self_chats(target, tokenizer, prompts, definitions, args.seed + 8)
-        ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
-        rows = draft_data.continue_batch(target, ids, args.eval_new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
-        heldout[kind] = [(p, r["generated_ids"]) for p, r in zip(ids, rows)]
+    if args.prompts_file:
+        heldout = file_continuations(args.prompts_file, target, tokenizer, args.eval_new_tokens, eos)
+    else:
+        heldout = heldout_continuations(args, target, tokenizer, eos)
     # As the draft worker serves it (copy drafting at its defaults), and the draft model alone.
     served = DraftConfig().copy_drafting()
-    report = {"target": NAME, "k": args.eval_k, "copy_ngram": served.ngram, "copy_weight": served.weight}
+    report = {"target": NAME, "k": args.eval_k, "copy_ngram": served.ngram, "copy_weight": served.weight,
+              "prompts": str(args.prompts_file) if args.prompts_file else "held-out"}
     report.update(replay_heldout(loaded_draft, heldout, served, args.eval_k, "served"))
     report["draft_alone"] = replay_heldout(loaded_draft, heldout, OFF, args.eval_k, "draft alone")
     torch.set_num_threads(1)
     draft_ms, target_ms = step_ms(loaded_draft.model, 256, args.eval_repeats), step_ms(target, 256, args.eval_repeats)
     report.update(draft_step_ms=draft_ms, target_step_ms=target_ms, c=draft_ms / target_ms)
     print(f"served, all: {report['tokens_per_round']:.3f} tokens per round; draft step {draft_ms:.2f} ms, target step {target_ms:.2f} ms, c = {draft_ms / target_ms:.3f}", flush=True)
+    args.work.mkdir(parents=True, exist_ok=True)  # evaluate may be the only stage run in this folder
     (args.work / "evaluation.json").write_text(json.dumps(report, indent=2))
     return report
 
@@ -459,6 +489,9 @@ def main(argv=None) -> None:
     # evaluate
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of each kind")
     parser.add_argument("--eval-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts-file", type=Path, default=None,
+                        help="evaluate: a JSON list of prompts to evaluate on instead of the held-out ones (a string: "
+                             "a completion prompt; a list of {role, content} messages: a chat)")
     parser.add_argument("--eval-k", type=int, default=4)
     parser.add_argument("--eval-repeats", type=int, default=60)
     args = parser.parse_args(argv)
