@@ -264,11 +264,12 @@ def test_the_three_roles_and_jaeger_are_deployed_under_names_that_say_which(docs
 def test_container_commands_are_real_specd_commands(capsys):
     """`specd WORDS --help` exits 0 for each container's command words (args up to the first flag).
 
-    Run through `specd.cli.main`, which is what the `specd` console script calls (checked
-    below), in this process: a subprocess per command would import torch again each time.
+    Run through `specd.cli.main`, which is what the `specd` console script's entry,
+    `specd.cli.run_program`, runs (checked below), in this process: a subprocess per command
+    would import torch again each time.
     """
     (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "specd"]
-    assert script.value == "specd.cli:main"
+    assert script.value == "specd.cli:run_program"
     commands = set()
     for kustomization in KUSTOMIZATIONS:
         for _, _, container in specd_containers(render(kustomization)):
