@@ -74,4 +74,4 @@ class Copier:
 
     def mix(self, dist: SparseDist, extra: Sequence[int], greedy: bool) -> SparseDist:
         """q' for the row whose history is committed + `extra`."""
-        return self.settings.mix(dist, self.copy_after(extra), greedy) if self.matcher is not None else dist
+        return self.settings.mix(dist, self.copy_after(extra), greedy)  # no copy (off, or no match): q itself

@@ -194,13 +194,12 @@ def format_table(result: dict) -> str:
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-"
 
+    one_pass = result.get("settings", {}).get("repeats") == 1  # one pass has no spread to show
     for mode, m in result["modes"].items():
         if m.get("skipped"):
             lines.append(f"{mode:<12}skipped: {m['skipped']}")
             continue
         ratio = m["tokens_per_s"] / off if off else None
-        # One pass has no spread to show.
-        one_pass = result.get("settings", {}).get("repeats") == 1
         spread = "-" if one_pass else f"{m['tokens_per_s_min']:.1f}-{m['tokens_per_s_max']:.1f}"
         lines.append(
             f"{mode:<12}{m['tokens_per_s']:>8.1f}{spread:>16}{fmt(ratio, '.2f'):>8}"
