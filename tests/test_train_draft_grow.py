@@ -19,20 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 import train_draft  # noqa: E402
 
+from tests.small_drafts import moved_small_draft  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def trained():
-    """A 2 + 1 layer draft over 512 tokens whose own layer and head were moved off their
-    starting point, as training would."""
+    """A 2 + 1 layer draft over 512 tokens, as training would leave it."""
     args = SimpleNamespace(borrowed_layers=2, trained_layers=1, seed=7, grow_layers="3,4", grow_steps=0, grow_lr=0.0, work=Path("unused"))
     vocab = torch.arange(0, 49152, 96)  # [512]
-    draft = train_draft.build_draft(args, vocab, 1, [29])
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            if name.startswith("model.layers.2.") or name.startswith("lm_head"):
-                param.add_(torch.randn(param.shape, generator=generator) * 0.02)
-    return args, vocab, draft.eval()
+    return args, vocab, moved_small_draft(vocab)
 
 
 @pytest.fixture(scope="module")

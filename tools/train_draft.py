@@ -16,7 +16,9 @@ models/smollm2-draft/README.md):
             log-probabilities (forward KL), a fixed number of steps with batches drawn from a
             generator seeded by (seed, step), checkpointed every --save-every steps; then, with
             --grow-steps, made deeper (new layers after the borrowed ones that start out adding
-            nothing, see stage_grow) and distilled further, checkpointed the same way;
+            nothing, see stage_grow) and distilled further, checkpointed the same way; or, with
+            --tune-from, an exported draft distilled further on this folder's data, its output
+            layer first widened to --draft-vocab ids (stage_tune);
   export    the committed files: config, its own layers + final norm + head + vocabulary
             (bf16), the target's tokenizer files (run after train, and by it);
   evaluate  greedy tokens per round at K on held-out prompts (code, chat, and requests the
@@ -111,16 +113,22 @@ def stage_vocab(args, rows: list[dict]) -> torch.Tensor:
     path = args.work / "draft_vocab.pt"
     if path.exists():
         return torch.load(path)
-    counts = torch.zeros(target_vocab_size(), dtype=torch.long)
-    for row in rows:
-        counts += torch.bincount(row["top_ids"][:, 0].long(), minlength=counts.numel())
-        counts += torch.bincount(torch.tensor(row["generated_ids"]), minlength=counts.numel())
+    counts = token_counts(rows)  # [V]
     ranked = counts.argsort(descending=True)[: args.draft_vocab]  # [N]
     covered = counts[ranked].sum().item() / counts.sum().item()
     print(f"draft vocabulary: {args.draft_vocab} ids cover {covered:.4f} of the target's top-1 and emitted tokens", flush=True)
     vocab = ranked.sort().values
     torch.save(vocab, path)
     return vocab
+
+
+def token_counts(rows: list[dict]) -> torch.Tensor:
+    """[V] how often the target ranks each id first, or emits it, in the rows."""
+    counts = torch.zeros(target_vocab_size(), dtype=torch.long)
+    for row in rows:
+        counts += torch.bincount(row["top_ids"][:, 0].long(), minlength=counts.numel())
+        counts += torch.bincount(torch.tensor(row["generated_ids"]), minlength=counts.numel())
+    return counts
 
 
 def target_vocab_size() -> int:
@@ -259,6 +267,48 @@ def stage_grow(args, rows: list[dict], vocab: torch.Tensor, trained):
             layer.mlp.down_proj.weight.zero_()
     # A different batch seed: the grown draft sees other windows of the data than the first stage's.
     return distill(args, grown, rows, vocab, args.work / "grown.ckpt", args.grow_steps, args.grow_lr, batch_seed=args.seed + 1)
+
+
+def stage_tune(args, rows: list[dict]):
+    """The exported draft at --tune-from, distilled further on this folder's data; returns it tuned.
+
+    Its output layer is first widened to --draft-vocab ids (widen_vocab), so the draft can learn
+    the tokens of text unlike what it was first trained on; the borrowed weights stay the target's.
+    """
+    from specd.models import load_causal_lm
+
+    draft = load_causal_lm(str(args.tune_from)).model.float()
+    vocab = widen_vocab(draft, token_counts(rows), args.draft_vocab)
+    # Another batch seed than train's and grow's: the tuned draft sees its own windows of the data.
+    return distill(args, draft, rows, vocab, args.work / "tuned.ckpt", args.tune_steps, args.tune_lr, batch_seed=args.seed + 2)
+
+
+def widen_vocab(draft, counts: torch.Tensor, size: int) -> torch.Tensor:
+    """Widen the draft's output layer to `size` ids, in place: the ids it has, then the most
+    counted ids (`counts` [V]) it lacks, whose rows start as the target's (its embedding rows: the
+    target ties its head to them), as a new draft's rows do. Returns the vocabulary [size], sorted."""
+    from specd.draft_model import ReducedVocabHead
+
+    head = draft.lm_head
+    have = head.token_ids  # [N]
+    if size < len(have):
+        raise ValueError(f"--draft-vocab {size} would narrow the draft's vocabulary of {len(have)} ids")
+    lacking = counts.clone()  # [V]
+    lacking[have] = -1
+    added = lacking.argsort(descending=True, stable=True)[: size - len(have)]  # [size - N]
+    ids = torch.cat([have, added])  # [size]
+    rows = torch.cat([head.weight.detach(), draft.model.embed_tokens.weight.detach()[added]])  # [size, H]
+    order = ids.argsort()  # [size]
+    widened = ReducedVocabHead(rows.shape[1], size, head.vocab_size)
+    with torch.no_grad():
+        widened.weight.copy_(rows[order])
+        widened.token_ids.copy_(ids[order])
+    draft.lm_head = widened
+    draft.config.draft_vocab_size = size
+    total = counts.sum().item()
+    print(f"draft vocabulary: {len(have)} ids cover {counts[have].sum().item() / total:.4f} of this data's top-1 and emitted "
+          f"tokens, {size} cover {counts[ids].sum().item() / total:.4f}", flush=True)
+    return widened.token_ids.clone()
 
 
 def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path, steps: int, peak_lr: float, batch_seed: int, stop_after: int = 0):
@@ -484,6 +534,11 @@ def main(argv=None) -> None:
     parser.add_argument("--grow-layers", default="", help="the target layers that new layers, added after the borrowed ones, start from")
     parser.add_argument("--grow-steps", type=int, default=0, help="steps after growing (0: no grow stage)")
     parser.add_argument("--grow-lr", type=float, default=3e-4)
+    parser.add_argument("--tune-from", type=Path, default=None,
+                        help="train: start from this exported draft instead of the target's layers, and distill it "
+                             "further on this folder's data (its vocabulary widened to --draft-vocab)")
+    parser.add_argument("--tune-steps", type=int, default=600)
+    parser.add_argument("--tune-lr", type=float, default=2e-4)
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--save-every", type=int, default=100)
     # evaluate
@@ -497,7 +552,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.stage in ("generate", "all"):
         stage_generate(args)
-    if args.stage in ("vocab", "train", "export", "all"):
+    if args.tune_from and args.stage in ("train", "export", "all"):
+        stage_export(args, stage_tune(args, load_rows(args.work)))
+    elif args.stage in ("vocab", "train", "export", "all"):
         rows = load_rows(args.work)
         vocab = stage_vocab(args, rows)
         if args.stage in ("train", "export", "all"):
