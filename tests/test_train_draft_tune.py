@@ -88,3 +88,11 @@ def test_tuning_trains_the_exported_draft_on_this_folders_data_and_exports_it_wi
     # The training moved the draft's own layer and left the borrowed ones as the target's.
     assert not torch.equal(loaded.model.layers[2].mlp.up_proj.weight, draft.model.layers[2].mlp.up_proj.weight.to(torch.bfloat16).float())
     assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight, draft.model.layers[0].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("argv", [["train", "--grow-steps", "5"], ["vocab"]])
+def test_tuning_refuses_the_stages_that_would_not_apply_to_it(tmp_path, argv, capsys):
+    with pytest.raises(SystemExit):
+        train_draft.main([*argv, "--work", str(tmp_path), "--tune-from", str(tmp_path / "draft")])
+    assert "--tune-from takes the draft's own vocabulary and depth" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any stage ran

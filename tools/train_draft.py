@@ -550,6 +550,8 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-k", type=int, default=4)
     parser.add_argument("--eval-repeats", type=int, default=60)
     args = parser.parse_args(argv)
+    if args.tune_from and (args.grow_steps or args.stage == "vocab"):
+        parser.error("--tune-from takes the draft's own vocabulary and depth: no vocab stage, no --grow-steps")
     if args.stage in ("generate", "all"):
         stage_generate(args)
     if args.tune_from and args.stage in ("train", "export", "all"):
