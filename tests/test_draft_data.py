@@ -57,11 +57,31 @@ def test_a_continuation_ends_at_its_first_end_of_sequence_token():
     free = draft_data.continue_batch(model, prompts, 12, 0.0, 1.0, 2, set(), 0, seed=5)
     stop = free[1]["generated_ids"][3]  # the second prompt's 4th greedy token
     stopped = draft_data.continue_batch(model, prompts, 12, 0.0, 1.0, 2, {stop}, 0, seed=5)
+    lengths = []
     for before, after in zip(free, stopped):
         ids = before["generated_ids"]
         end = ids.index(stop) + 1 if stop in ids else len(ids)
         assert after["generated_ids"] == ids[:end]
         assert len(after["top_ids"]) == len(after["prompt_ids"]) - 1 + end
+        # Rows that ended left the batch: the rows still going kept their own caches.
+        assert torch.equal(after["top_ids"], before["top_ids"][: len(after["top_ids"])])
+        torch.testing.assert_close(after["top_logprobs"].float(), before["top_logprobs"][: len(after["top_ids"])].float(), rtol=0, atol=2e-3)
+        lengths.append(end)
+    assert min(lengths) < 12 and max(lengths) == 12  # some rows ended while others went on
+
+
+def test_a_sampled_continuation_ends_rows_and_goes_on_with_the_rest():
+    model = build_llama(vocab_size=96, seed=11).eval()
+    prompts = _prompts(96)
+    free = draft_data.continue_batch(model, prompts, 16, 1.0, 0.9, 2, set(), 0, seed=5)
+    first = [row["generated_ids"][0] for row in free]
+    stopped = draft_data.continue_batch(model, prompts, 16, 1.0, 0.9, 2, {first[0]}, 0, seed=5)
+    assert stopped[0]["generated_ids"] == [first[0]]  # the same first draw, which ends the row
+    for row, ids in zip(stopped, prompts):
+        generated = row["generated_ids"]
+        assert row["prompt_ids"] == ids and 1 <= len(generated) <= 16
+        assert first[0] not in generated[:-1]  # a row ends at its first end-of-sequence token
+        assert len(row["top_ids"]) == len(ids) - 1 + len(generated)
 
 
 def _smollm2_tokenizer():
@@ -108,3 +128,43 @@ def test_self_written_requests_become_chat_prompts_and_the_unfinished_give_way(m
         text = fallback["text"]
         assert fallback["kind"] == "chat" and "<|im_start|>user\n" in text and text.endswith("<|im_start|>assistant\n")
         assert "dedent" in text or "leading whitespace" in text  # written from the stdlib definition
+
+
+def _nucleus_by_hand(probs: list[float], top_p: float) -> set[int]:
+    """The likeliest tokens, in order, up to the first whose mass before it exceeds top_p."""
+    kept, mass = set(), 0.0
+    for token in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        if mass > top_p:
+            break
+        kept.add(token)
+        mass += probs[token]
+    return kept
+
+
+def test_the_nucleus_keeps_the_likeliest_tokens_up_to_top_p():
+    generator = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(6, 40, generator=generator) * torch.tensor([0.5, 1, 2, 3, 4, 6])[:, None], dim=-1)  # [6, 40]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    weights = draft_data.nucleus(sorted_probs, 0.8)  # [6, 40]
+    for row in range(6):
+        kept = {int(order[row, i]) for i in range(40) if weights[row, i] > 0}
+        assert kept == _nucleus_by_hand(probs[row].tolist(), 0.8)
+        assert torch.equal(weights[row][weights[row] > 0], sorted_probs[row][weights[row] > 0])
+
+
+def test_sampling_among_candidates_draws_from_the_whole_sorts_nucleus():
+    vocab, rows, top_p = 64, 4000, 0.9
+    peaked = torch.full((vocab,), -8.0)
+    peaked[[5, 17, 40]] = torch.tensor([2.0, 1.5, 1.0])  # the nucleus lies among the 8 candidates
+    flat = torch.linspace(0.0, 0.5, vocab)  # the nucleus reaches far past them: the row is sorted whole
+    logits = torch.cat([peaked.expand(rows, vocab), flat.expand(rows, vocab)])  # [2R, V]
+    drawn = draft_data.choose_next(logits, 1.0, top_p, torch.Generator().manual_seed(9), candidates=8)  # [2R]
+    for half, row_logits in ((drawn[:rows], peaked), (drawn[rows:], flat)):
+        probs = torch.softmax(row_logits, dim=-1)
+        kept = sorted(_nucleus_by_hand(probs.tolist(), top_p))
+        assert set(half.tolist()) <= set(kept)
+        expected = probs[kept] / probs[kept].sum()
+        observed = torch.bincount(half, minlength=vocab)[kept].float() / rows
+        assert (observed - expected).abs().max() < 0.03
+    assert len(set(drawn[rows:].tolist())) > 8  # the flat rows drew beyond their candidates
+    assert torch.equal(draft_data.choose_next(logits, 0.0, top_p, torch.Generator(), candidates=8), logits.argmax(-1))

@@ -207,16 +207,42 @@ def write_self_chats(model, tokenizer, prompts: list[dict], definitions: list[di
         prompt["text"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def choose_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """Greedy at temperature 0, else temperature + top-p sampling. logits [B, V] -> [B]."""
+def choose_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, candidates: int | None = None) -> torch.Tensor:
+    """Greedy at temperature 0, else temperature + top-p sampling. logits [B, V] -> [B].
+
+    With `candidates`, each row's nucleus is looked for among its `candidates` likeliest tokens
+    first: on a CPU a top-k of 1024 costs a tenth of sorting 49152 ids (20 against 165 ms for
+    48 rows, one thread). A row whose candidates do not hold more than top_p of the mass is
+    sorted whole, so every row keeps the tokens a whole sort keeps.
+    """
     if temperature == 0.0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)  # [B, V]
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # [B, V]: mass before it already >= top_p
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    picked = torch.multinomial(sorted_probs, 1, generator=generator)  # [B, 1]
-    return order.gather(-1, picked).squeeze(-1)
+    if top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if candidates is None or candidates >= probs.shape[-1]:
+        return _draw_from_nucleus(*probs.sort(dim=-1, descending=True), top_p, generator)
+    top_probs, top_ids = probs.topk(candidates, dim=-1)  # [B, M] each, descending
+    whole = top_probs.cumsum(-1)[:, -1] <= top_p  # [B]: the nucleus may reach past the candidates
+    token = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)  # [B]
+    if not bool(whole.all()):
+        token[~whole] = _draw_from_nucleus(top_probs[~whole], top_ids[~whole], top_p, generator)
+    if bool(whole.any()):
+        token[whole] = _draw_from_nucleus(*probs[whole].sort(dim=-1, descending=True), top_p, generator)
+    return token
+
+
+def nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p weights of probabilities sorted descending [B, M]: each row keeps its likeliest
+    tokens up to the first whose mass before it exceeds top_p; the rest become 0. [B, M]"""
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # [B, M]: mass before it already > top_p
+    return sorted_probs.masked_fill(outside, 0.0)
+
+
+def _draw_from_nucleus(sorted_probs: torch.Tensor, sorted_ids: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from the nucleus of sorted_probs [B, M], whose ids are sorted_ids [B, M]. -> [B]"""
+    picked = torch.multinomial(nucleus(sorted_probs, top_p), 1, generator=generator)  # [B, 1]
+    return sorted_ids.gather(-1, picked).squeeze(-1)
 
 
 @torch.inference_mode()
@@ -224,7 +250,8 @@ def continue_batch(model, prompt_ids: list[list[int]], new_tokens: int, temperat
     """Continue every prompt (left-padded into one batch); keep the target's top-k log-probs.
 
     On the CPU each prompt is prefilled alone (padding would cost compute); on an accelerator
-    the whole batch is prefilled in one forward (see _prefill_padded). The rows come back on the CPU.
+    the whole batch is prefilled in one forward (see _prefill_padded). A row that has ended
+    leaves the batch (on an accelerator at the next 8th step). The rows come back on the CPU.
     """
     device = model.device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -240,21 +267,30 @@ def continue_batch(model, prompt_ids: list[list[int]], new_tokens: int, temperat
     top_values = torch.zeros((batch, new_tokens, topk), dtype=torch.float16, device=device)  # [B, T, k]
     top_indices = torch.zeros((batch, new_tokens, topk), dtype=torch.int32, device=device)  # [B, T, k]
     eos = torch.tensor(sorted(eos_ids), device=device)  # [E]
-    done = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
+    # On an accelerator a whole sort is cheap, and asking which rows' nuclei fit would wait for it.
+    candidates = 1024 if device.type == "cpu" else None
+    live = torch.arange(batch, device=device)  # [b]: the rows still being continued
+    done = torch.zeros(batch, dtype=torch.bool, device=device)  # [b]: live rows that have ended
     steps = 0
     for step in range(new_tokens):
-        values, indices = _topk_logprobs(logits, topk)  # [B, k] each
-        token = choose_next(logits.float(), temperature, top_p, generator)  # [B]
-        tokens[:, step], top_values[:, step], top_indices[:, step] = token, values.half(), indices.int()
+        values, indices = _topk_logprobs(logits, topk)  # [b, k] each
+        token = choose_next(logits.float(), temperature, top_p, generator, candidates)  # [b]
+        tokens[live, step], top_values[live, step], top_indices[live, step] = token, values.half(), indices.int()
         done |= torch.isin(token, eos)
         steps = step + 1
-        # Asking whether every row is done waits for the device: on an accelerator, ask every 8th step.
-        if (device.type == "cpu" or step % 8 == 7) and bool(done.all()):
-            break
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=-1)  # [B, L+t]
+        # Asking which rows are done waits for the device: on an accelerator, ask every 8th step.
+        if device.type == "cpu" or step % 8 == 7:
+            going = (~done).nonzero().squeeze(-1)  # [b']
+            if going.numel() == 0:
+                break
+            if going.numel() < live.numel():
+                # Ended rows leave the batch, so the steps left cost what the rows still going cost.
+                live, token, mask, last_position, done = live[going], token[going], mask[going], last_position[going], done[going]
+                cache.batch_select_indices(going)
+        mask = torch.cat([mask, torch.ones((live.numel(), 1), dtype=torch.long, device=device)], dim=-1)  # [b, L+t]
         last_position = last_position + 1
         out = model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=last_position.unsqueeze(-1), past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1]  # [B, V]
+        logits = out.logits[:, -1]  # [b, V]
     # A row's continuation ends at its first end-of-sequence token, which it keeps.
     is_eos = torch.isin(tokens[:, :steps], eos)  # [B, steps]
     lengths = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, steps).tolist()  # [B]
