@@ -76,3 +76,27 @@ def test_ab_stacks_runs_each_arm_through_a_stack_of_its_own(tiny_pair):
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert "one: mean" in run.stdout and "two: mean" in run.stdout, run.stdout
     assert "greedy outputs identical: True" in run.stdout, run.stdout
+
+
+def test_measure_ssd_measures_each_setting_through_a_coordinator_of_its_own(tiny_pair):
+    target, draft = tiny_pair
+    run = _run(
+        "tools/measure_ssd.py", "--target", target, "--draft", draft, "--settings", "off", "ssd:ssd_budget=4",
+        "--max-new", "8", "--prompts", "2", timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["off"], ["ssd:ssd_budget=4"])}
+    assert set(rows) == {"off", "ssd:ssd_budget=4"}, run.stdout
+    assert float(rows["off"][4]) == 1.0  # target-only: one token a round
+    assert 1.0 <= float(rows["ssd:ssd_budget=4"][4]) <= 5.0  # K = 4: at most 4 drafted plus the target's own
+
+
+def test_ab_ssd_runs_each_arm_in_front_of_the_same_workers(tiny_pair):
+    target, draft = tiny_pair
+    run = _run(
+        "tools/ab_ssd.py", "--target", target, "--draft", draft, "--arm", "one=", "--arm", "two=--ssd-budget 4",
+        "--passes", "1", "--num-prompts", "2", "--max-new-tokens", "6", timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert "one: mean" in run.stdout and "two: mean" in run.stdout, run.stdout
+    assert "greedy outputs identical: True" in run.stdout, run.stdout

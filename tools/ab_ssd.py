@@ -1,8 +1,9 @@
-"""ssd coordinators side by side on one pair of workers (the default pair).
+"""ssd coordinators side by side on one pair of workers (the default pair, or --target/--draft).
 
     python tools/ab_ssd.py --arm "NAME[@TREE]=FLAGS" --arm ... [--passes 3] [--num-prompts 16]
 
-One target and one draft worker (this checkout's code), and one coordinator per arm in front
+One target and one draft worker (this checkout's code; the default pair unless --target and
+--draft name another), and one coordinator per arm in front
 of those same workers, each service on the CPUs `specd up` would give it, each coordinator
 with the arm's flags (besides --ssd-budget and --num-speculative-tokens, 16 and 4 unless
 given) and, with @TREE, run from another checkout's code (PYTHONPATH=TREE): settings or
@@ -34,7 +35,7 @@ from specd import bench  # noqa: E402
 from specd.cli.supervise import stop_processes, wait_serving  # noqa: E402
 from specd.cli.up import free_port  # noqa: E402
 from specd.cpus import cpus_flags, stack_layout  # noqa: E402
-from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT  # noqa: E402
+from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 from specd.v1 import coordinator_pb2_grpc  # noqa: E402
 
 
@@ -60,8 +61,8 @@ def start_stack(args, log_dir: pathlib.Path, processes: list[subprocess.Popen]) 
     arms = {name: (tree, flags) for name, tree, flags in map(parse_arm, args.arm)}
     ports = {name: free_port("127.0.0.1") for name in ("target", "draft", *arms)}
     workers = {
-        "target": ["target", "--port", str(ports["target"]), "--threads", "1", "--metrics-port", "-1"],
-        "draft": ["draft", "--model", DEFAULT_DRAFT, "--port", str(ports["draft"]), "--threads", "1", "--metrics-port", "-1"],
+        "target": ["target", "--model", args.target, "--port", str(ports["target"]), "--threads", "1", "--metrics-port", "-1"],
+        "draft": ["draft", "--model", args.draft, "--port", str(ports["draft"]), "--threads", "1", "--metrics-port", "-1"],
     }
     coordinators = {
         arm: ["coordinator", "--port", str(ports[arm]), "--metrics-port", "-1", "--target-address", f"127.0.0.1:{ports['target']}",
@@ -122,6 +123,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budget", type=int, default=16)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="the target worker's model (default: the default pair's)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="the draft worker's model (default: the default pair's)")
     args = parser.parse_args()
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="specd-ab-"))
     processes: list[subprocess.Popen] = []

@@ -171,10 +171,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts to use")
     parser.add_argument("--prompts-file", default="", help="a JSON list of prompts (e.g. models/smollm2-draft/bench_prompts.json)")
     args = parser.parse_args()
-    if args.tiny:
-        from tests.tiny_models import save_pair
+    with tempfile.TemporaryDirectory(prefix="specd-measure-") as folder:
+        if args.tiny:
+            from tests.tiny_models import save_pair
 
-        args.target, args.draft = save_pair(pathlib.Path(tempfile.mkdtemp(prefix="specd-measure-")))
+            args.target, args.draft = save_pair(pathlib.Path(folder))
+        run(args)
+
+
+def run(args) -> None:
+    """Serve the pair, one coordinator per setting, and print each setting's figures."""
     target_port, draft_port = _free_port(), _free_port()
     target_metrics, draft_metrics = _free_port(), _free_port()
     # The CPUs `specd up` gives each process, so that the figures are the stack's.
