@@ -10,8 +10,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
+import torch  # noqa: E402
 import train_draft  # noqa: E402
 from tests.conftest import copy_target, greedy_reference, load_reference  # noqa: E402
+from tests.small_drafts import moved_small_draft  # noqa: E402
+from tests.tiny_models import build_llama  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 NEW_TOKENS = 6
@@ -36,3 +39,10 @@ def test_a_prompts_file_gives_code_and_chat_prompts_with_the_targets_greedy_cont
             greedy = greedy_reference(target, prompt, NEW_TOKENS)
             ends = [i for i, token in enumerate(greedy) if token in eos]
             assert continuation == greedy[: ends[0] + 1 if ends else NEW_TOKENS]
+
+
+def test_vocabulary_coverage_is_the_share_of_continuation_tokens_the_drafts_output_layer_holds():
+    heldout = {"code": [([1, 2], [2, 4, 5]), ([3], [7])], "chat": [([9], [10, 12])]}  # prompt tokens do not count
+    reduced = moved_small_draft(torch.arange(0, 4096, 2))  # the even ids only
+    assert train_draft.vocab_coverage(reduced, heldout) == {"code": 0.5, "chat": 1.0}
+    assert train_draft.vocab_coverage(build_llama(vocab_size=96, seed=1), heldout) == {"code": 1.0, "chat": 1.0}

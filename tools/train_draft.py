@@ -438,6 +438,18 @@ def replay_heldout(loaded_draft, heldout: dict[str, list[tuple[list[int], list[i
     return report
 
 
+def vocab_coverage(draft_model, heldout: dict[str, list[tuple[list[int], list[int]]]]) -> dict[str, float]:
+    """Per kind, the fraction of the target's continuation tokens that the draft's output layer
+    covers (a draft can never draft the others; copy drafting can). 1.0 for a full-vocabulary draft."""
+    token_ids = getattr(draft_model.lm_head, "token_ids", None)  # [N], a reduced-vocabulary draft's
+    coverage = {}
+    for kind, pairs in heldout.items():
+        emitted = torch.tensor([t for _, continuation in pairs for t in continuation], dtype=torch.long)  # [T]
+        inside = torch.isin(emitted, token_ids.cpu()) if token_ids is not None else torch.ones_like(emitted, dtype=torch.bool)
+        coverage[kind] = inside.float().mean().item() if emitted.numel() else 1.0
+    return coverage
+
+
 def heldout_continuations(args, target, tokenizer, eos: set[int]) -> dict[str, list[tuple[list[int], list[int]]]]:
     """The recipe's held-out prompts of each kind and the target's greedy continuation of each."""
     sources = draft_data.read_split(args.heldout_percent, heldout=True, root=stdlib_folder(args))
@@ -490,6 +502,9 @@ def stage_evaluate(args) -> dict:
               "prompts": str(args.prompts_file) if args.prompts_file else "held-out"}
     report.update(replay_heldout(loaded_draft, heldout, served, args.eval_k, "served"))
     report["draft_alone"] = replay_heldout(loaded_draft, heldout, OFF, args.eval_k, "draft alone")
+    report["vocab_coverage"] = vocab_coverage(loaded_draft.model, heldout)
+    for kind, covered in report["vocab_coverage"].items():
+        print(f"draft vocabulary, {kind}: covers {covered:.4f} of the target's continuation tokens", flush=True)
     torch.set_num_threads(1)
     draft_ms, target_ms = step_ms(loaded_draft.model, 256, args.eval_repeats), step_ms(target, 256, args.eval_repeats)
     report.update(draft_step_ms=draft_ms, target_step_ms=target_ms, c=draft_ms / target_ms)
