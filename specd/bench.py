@@ -132,7 +132,7 @@ class HFAssisted:
 
     def _verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int) -> list[float]:
         import torch
-        from specd.kv_cache import SessionKVCache
+        from specd.kv_cache import GrowingKVCache
 
         times = []
         with torch.inference_mode():
@@ -143,7 +143,7 @@ class HFAssisted:
                 context = ids.repeat(1, -(-length // ids.shape[1]))[:, :length]  # [1, P+extra]
                 block = context[:, -1:].repeat(1, k + 1)  # [1, K+1]
                 for _ in range(repeats):
-                    cache = SessionKVCache()  # the cache a worker's session uses
+                    cache = GrowingKVCache()  # the cache a worker's session uses
                     self.verify_target(context, past_key_values=cache, use_cache=True)
                     started = time.perf_counter()
                     self.verify_target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)

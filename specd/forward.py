@@ -23,10 +23,10 @@ def forward_logits(model, cache, tokens: list[int], num_logits: int) -> tuple[to
 
 def warm_up(model) -> None:
     """One throwaway forward so that the first request does not pay for lazy initialisation."""
-    from specd.kv_cache import SessionKVCache
+    from specd.kv_cache import GrowingKVCache
 
     with torch.inference_mode():
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=model.device), past_key_values=SessionKVCache())
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=model.device), past_key_values=GrowingKVCache())
 
 
 def prefill_session(model, session, start: int, tokens: list[int]) -> tuple[int, float]:

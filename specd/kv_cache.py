@@ -1,12 +1,13 @@
-"""A session's KV cache that grows in place instead of by concatenation.
+"""A KV cache that grows in place instead of by concatenation.
 
 transformers' DynamicLayer appends new keys and values with torch.cat, which copies the
 whole cache on every forward of every layer. A worker forwards a few tokens at a time over
-a context of hundreds (a verify, a tree step), so that copy is a fixed share of each forward.
-GrowingLayer keeps each layer's keys and values in a buffer with spare room, writes new
-entries into it and hands attention a view of the filled part; rolling back only moves the
-fill mark. The arithmetic is unchanged: attention reads the same numbers, so the logits are
-bitwise those of DynamicLayer (tests/test_kv_cache.py checks).
+a context of hundreds (a verify, a tree step), and the draft recipe's generation one token a
+row over a batch of them, so that copy is a fixed share of each forward. GrowingLayer keeps
+each layer's keys and values in a buffer with spare room, writes new entries into it and hands
+attention a view of the filled part; rolling back only moves the fill mark. The arithmetic is
+unchanged: attention reads the same numbers, so the logits are bitwise those of DynamicLayer
+(tests/test_kv_cache.py checks).
 """
 
 from __future__ import annotations
@@ -74,14 +75,19 @@ class GrowingLayer(DynamicLayer):
         self.length = 0
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("a session cache holds one sequence")
+        raise NotImplementedError("specd never repeats a cache's rows")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("a session cache holds one sequence")
+        """Keep only the batch rows `indices` [b'] (rows that ended leave a batched generation)."""
+        if self.key_buffer is None:
+            return
+        self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]  # [b', h, cap, d]
+        self._fill_to(self.length)
 
 
-class SessionKVCache(DynamicCache):
-    """A DynamicCache whose layers are GrowingLayers, added as the model first writes them."""
+class GrowingKVCache(DynamicCache):
+    """A DynamicCache whose layers are GrowingLayers, added as the model first writes them: a
+    worker session's cache, and the draft recipe's batched generation's."""
 
     def __init__(self):
         super().__init__()

@@ -99,12 +99,12 @@ def lean_or_plain(model):
 @torch.inference_mode()
 def _agrees(model, lean: LeanLlama) -> bool:
     """Prefill, a multi-token step and a one-token step on a fresh cache each: equal logits?"""
-    from specd.kv_cache import SessionKVCache
+    from specd.kv_cache import GrowingKVCache
 
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     steps = [torch.randint(0, vocab, (1, n), generator=generator).to(model.device) for n in (7, 3, 1)]  # [1, n] each
-    plain_cache, lean_cache = SessionKVCache(), SessionKVCache()
+    plain_cache, lean_cache = GrowingKVCache(), GrowingKVCache()
     for ids in steps:
         want = model(input_ids=ids, past_key_values=plain_cache, use_cache=True).logits  # [1, n, V]
         got = lean(input_ids=ids, past_key_values=lean_cache).logits

@@ -33,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from specd.kv_cache import SessionKVCache, croppable
+from specd.kv_cache import GrowingKVCache, croppable
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def _agrees(model, packer: Packer) -> bool:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (5, 9, 3)]
     steps = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (3, 1, 4)]
-    lone, packed = [SessionKVCache() for _ in prompts], [SessionKVCache() for _ in prompts]
+    lone, packed = [GrowingKVCache() for _ in prompts], [GrowingKVCache() for _ in prompts]
     for feeds in (prompts, steps):
         want = [
             model(input_ids=torch.tensor([f], device=model.device), past_key_values=c, use_cache=True).logits[0].float().cpu()

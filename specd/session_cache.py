@@ -14,7 +14,7 @@ import time
 
 from transformers import DynamicCache
 
-from specd.kv_cache import SessionKVCache, croppable
+from specd.kv_cache import GrowingKVCache, croppable
 
 
 class SessionNotFound(LookupError):
@@ -62,13 +62,13 @@ class Session:
             self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to drop
         else:
             # Sliding-window or linear-attention layers cannot roll back: recompute.
-            self.cache = SessionKVCache()
+            self.cache = GrowingKVCache()
             keep = 0
         del self.cached_tokens[keep:]
 
     def reset(self) -> None:
         """Forget everything cached (a forward failed part-way: no layer's entries can be trusted)."""
-        self.cache = SessionKVCache()
+        self.cache = GrowingKVCache()
         self.cached_tokens = []
 
     def extend(self, tokens: list[int]) -> None:
@@ -106,7 +106,7 @@ class SessionStore:
                     raise TooManySessions(
                         f"this worker holds its maximum of {self._max_sessions} sessions; retry later"
                     )
-                session = Session(cache=SessionKVCache())
+                session = Session(cache=GrowingKVCache())
                 self._sessions[session_id] = session
             session.last_used = time.monotonic()
             return session

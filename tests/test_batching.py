@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specd.batcher import Batcher
-from specd.kv_cache import SessionKVCache
+from specd.kv_cache import GrowingKVCache
 from specd.models import load_causal_lm
 from specd.packed_forward import Segment, enable_packing
 from specd.sampling import SamplingSettings, SparseDist
@@ -50,8 +50,8 @@ def test_packed_sessions_get_their_lone_logits_through_steps_and_rollbacks(model
     assert packer is not None
     generator = torch.Generator().manual_seed(1)
     lengths = [[17, 3, 1, 5], [4, 1, 9, 1], [30, 6, 2, 2], [1, 2, 1, 7]]  # per session, per step
-    lone = [SessionKVCache() for _ in lengths]
-    packed = [SessionKVCache() for _ in lengths]
+    lone = [GrowingKVCache() for _ in lengths]
+    packed = [GrowingKVCache() for _ in lengths]
     for step in range(4):
         feeds = [torch.randint(0, 384, (n[step],), generator=generator).tolist() for n in lengths]
         want = [_lone(model, cache, feed) for cache, feed in zip(lone, feeds)]
@@ -69,7 +69,7 @@ def test_packed_sessions_get_their_lone_logits_through_steps_and_rollbacks(model
 def test_a_packed_tree_segment_sees_only_its_branch(model):
     packer = enable_packing(model)
     prompt = list(range(10, 22))
-    lone, packed, other = SessionKVCache(), SessionKVCache(), SessionKVCache()
+    lone, packed, other = GrowingKVCache(), GrowingKVCache(), GrowingKVCache()
     _lone(model, lone, prompt)
     packer.forward([Segment(packed, prompt, 1), Segment(other, [5, 6, 7], 1)])
     cached = len(prompt)

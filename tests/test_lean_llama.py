@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draft_service.tree_mask import TreeMasks
-from specd.kv_cache import SessionKVCache
+from specd.kv_cache import GrowingKVCache
 from specd.lean_llama import LeanLlama, LeanOutput, lean_or_plain
 from tests.tiny_models import build_llama
 
@@ -20,7 +20,7 @@ def model():
 
 def _both(model, lean, steps: list[dict]) -> None:
     """Run each step's keyword arguments through both on their own caches; logits must match."""
-    plain_cache, lean_cache = SessionKVCache(), SessionKVCache()
+    plain_cache, lean_cache = GrowingKVCache(), GrowingKVCache()
     with torch.inference_mode():
         for index, kwargs in enumerate(steps):
             want = model(past_key_values=plain_cache, use_cache=True, **kwargs).logits

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from specd import prepacked_linear
-from specd.kv_cache import SessionKVCache
+from specd.kv_cache import GrowingKVCache
 from specd.prepacked_linear import PrepackedLinear, prepack_linears
 from tests.tiny_models import build_llama
 
@@ -21,7 +21,7 @@ def _linears(model: nn.Module) -> list[nn.Module]:
 
 
 def _logits(model, feeds: list[torch.Tensor]) -> list[torch.Tensor]:
-    cache = SessionKVCache()
+    cache = GrowingKVCache()
     with torch.inference_mode():
         return [model(input_ids=ids, past_key_values=cache, use_cache=True).logits for ids in feeds]
 

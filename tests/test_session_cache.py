@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from specd.forward import forward_logits
-from specd.kv_cache import SessionKVCache
+from specd.kv_cache import GrowingKVCache
 from specd.session_cache import Session, SessionNotFound, SessionStale, SessionStore, TooManySessions
 from tests.tiny_models import build_llama
 
@@ -36,7 +36,7 @@ def _fresh_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 def test_sync_keeps_the_common_prefix_and_rolls_back_rejected_tokens(model):
-    session = Session(cache=SessionKVCache())
+    session = Session(cache=GrowingKVCache())
     prompt = [1, 2, 3, 4, 5]
     committed, feed = session.sync(0, prompt)
     assert committed == prompt and feed == prompt
@@ -66,7 +66,7 @@ def test_sync_keeps_the_common_prefix_and_rolls_back_rejected_tokens(model):
 
 
 def test_sync_always_feeds_the_last_committed_token(model):
-    session = Session(cache=SessionKVCache())
+    session = Session(cache=GrowingKVCache())
     _feed(model, session, 0, [1, 2, 3])
     assert session.cached_tokens == [1, 2, 3]
     committed, feed = session.sync(0, [1, 2, 3])  # a resend of what is cached
@@ -76,7 +76,7 @@ def test_sync_always_feeds_the_last_committed_token(model):
 
 
 def test_full_resend_keeps_what_matches(model):
-    session = Session(cache=SessionKVCache())
+    session = Session(cache=GrowingKVCache())
     _feed(model, session, 0, [1, 2, 3, 4], drafts=[5, 6])
     committed, feed = session.sync(0, [1, 2, 3, 4, 5, 9, 7])
     assert feed == [9, 7]
@@ -87,7 +87,7 @@ def test_full_resend_keeps_what_matches(model):
 
 
 def test_diverging_history_rolls_back_to_the_divergence(model):
-    session = Session(cache=SessionKVCache())
+    session = Session(cache=GrowingKVCache())
     _feed(model, session, 0, [1, 2, 3, 4, 5, 6])
     _, feed = session.sync(2, [9, 9])
     assert feed == [9, 9]
@@ -96,7 +96,7 @@ def test_diverging_history_rolls_back_to_the_divergence(model):
 
 
 def test_start_past_the_cache_is_stale(model):
-    session = Session(cache=SessionKVCache())
+    session = Session(cache=GrowingKVCache())
     _feed(model, session, 0, [1, 2, 3])
     with pytest.raises(SessionStale, match="resend from position 0"):
         session.sync(4, [7])
@@ -106,7 +106,7 @@ def test_start_past_the_cache_is_stale(model):
 
 def test_nothing_committed_is_an_error():
     with pytest.raises(ValueError):
-        Session(cache=SessionKVCache()).sync(0, [])
+        Session(cache=GrowingKVCache()).sync(0, [])
 
 
 def test_store_unknown_session_past_zero_is_not_found():

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specd import prepacked_linear, small_rows_kernel
-from specd.kv_cache import SessionKVCache
+from specd.kv_cache import GrowingKVCache
 from specd.prepacked_linear import PrepackedLinear, prepack_linears
 from tests.tiny_models import build_llama
 
@@ -158,7 +158,7 @@ def test_a_prepacked_model_sends_products_of_2_to_8_rows_on_one_thread_to_it(fre
     generator = torch.Generator().manual_seed(0)
     feeds = [torch.randint(1, VOCAB, (1, n), generator=generator) for n in (12, 5, 1, 8, 3)]  # [1, n] each
     with torch.inference_mode():
-        caches = SessionKVCache(), SessionKVCache()
+        caches = GrowingKVCache(), GrowingKVCache()
         for ids in feeds:
             want = plain(input_ids=ids, past_key_values=caches[0], use_cache=True).logits  # [1, n, V]
             got = packed(input_ids=ids, past_key_values=caches[1], use_cache=True).logits  # [1, n, V]

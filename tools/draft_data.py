@@ -316,6 +316,8 @@ def _prefill_padded(model, prompt_ids: list[list[int]], width: int, topk: int, r
     """
     from transformers import DynamicCache
 
+    from specd.kv_cache import GrowingKVCache
+
     device = model.device
     batch = len(prompt_ids)
     lengths = torch.tensor([len(ids) for ids in prompt_ids], device=device)  # [B]
@@ -336,7 +338,7 @@ def _prefill_padded(model, prompt_ids: list[list[int]], width: int, topk: int, r
     pad = width - lengths  # [B]
     source = (torch.arange(width, device=device)[None, :] - pad[:, None]) % width  # [B, L]: left slot <- right slot
     left_valid = torch.arange(width, device=device)[None, :] >= pad[:, None]  # [B, L]
-    cache = DynamicCache()
+    cache = GrowingKVCache()  # the decode steps write into it in place
     for index, layer in enumerate(filled.layers):
         gather = source[:, None, :, None].expand_as(layer.keys)  # [B, heads, L, D]
         keep = left_valid[:, None, :, None]  # [B, 1, L, 1]
@@ -351,6 +353,8 @@ def _prefill_rows(model, prompt_ids: list[list[int]], width: int, topk: int):
     left-padded with zeros that the attention mask hides. Returns (batched cache, per-row
     top-k log-probs of the prompt positions, last hidden states [B, H])."""
     from transformers import DynamicCache
+
+    from specd.kv_cache import GrowingKVCache
 
     per_layer: list[tuple[list, list]] = []
     prompt_top, last = [], []
@@ -367,7 +371,7 @@ def _prefill_rows(model, prompt_ids: list[list[int]], width: int, topk: int):
                 per_layer.append(([], []))
             per_layer[index][0].append(keys)
             per_layer[index][1].append(values)
-    cache = DynamicCache()
+    cache = GrowingKVCache()  # the decode steps write into it in place
     for index, (keys, values) in enumerate(per_layer):
         cache.update(torch.cat(keys), torch.cat(values), index)  # [B, heads, L, D]
     return cache, prompt_top, torch.stack(last)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specd.default_pair import DEFAULT_TARGET  # noqa: E402
-from specd.kv_cache import SessionKVCache  # noqa: E402
+from specd.kv_cache import GrowingKVCache  # noqa: E402
 from specd.models import load_causal_lm  # noqa: E402
 from specd.prepacked_linear import PrepackedLinear, prepack_linears  # noqa: E402
 
@@ -49,7 +49,7 @@ def time_forwards(models: dict, lengths: list[int], context: int, trials: int) -
     with torch.inference_mode():
         caches = {}
         for name, model in models.items():
-            caches[name] = SessionKVCache()
+            caches[name] = GrowingKVCache()
             model(input_ids=prefix, past_key_values=caches[name], use_cache=True)
         for trial in range(trials + 1):  # trial 0 warms up
             for n in lengths:
