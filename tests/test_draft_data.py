@@ -168,3 +168,18 @@ def test_sampling_among_candidates_draws_from_the_whole_sorts_nucleus():
         assert (observed - expected).abs().max() < 0.03
     assert len(set(drawn[rows:].tolist())) > 8  # the flat rows drew beyond their candidates
     assert torch.equal(draft_data.choose_next(logits, 0.0, top_p, torch.Generator(), candidates=8), logits.argmax(-1))
+
+
+def test_continuing_in_batches_gives_what_one_batch_gives():
+    model = build_llama(vocab_size=96, seed=11).eval()
+    prompts = _prompts(96)
+    whole = draft_data.continue_batch(model, prompts, 10, 0.0, 1.0, 3, {0}, 0, seed=5)
+    parts = draft_data.continue_in_batches(model, prompts, 3, 10, 0.0, 1.0, 3, {0}, 0, seed=5)  # batches of 3 and 1
+    for a, b in zip(whole, parts, strict=True):
+        assert a["prompt_ids"] == b["prompt_ids"] and a["generated_ids"] == b["generated_ids"]
+        assert torch.equal(a["top_ids"], b["top_ids"])
+        torch.testing.assert_close(a["top_logprobs"].float(), b["top_logprobs"].float(), rtol=0, atol=2e-3)
+    # One batch (0) samples with the seed itself, as continue_batch does.
+    sampled = draft_data.continue_batch(model, prompts, 10, 1.0, 0.9, 3, {0}, 0, seed=5)
+    one = draft_data.continue_in_batches(model, prompts, 0, 10, 1.0, 0.9, 3, {0}, 0, seed=5)
+    assert [r["generated_ids"] for r in one] == [r["generated_ids"] for r in sampled]

@@ -183,7 +183,7 @@ def user_turn_prefix(tokenizer) -> str:
     return text[: text.index(marker)]
 
 
-def write_self_chats(model, tokenizer, prompts: list[dict], definitions: list[dict], seed: int, max_message_tokens: int = 96) -> None:
+def write_self_chats(model, tokenizer, prompts: list[dict], definitions: list[dict], seed: int, max_message_tokens: int = 96, rows_per_batch: int = 0) -> None:
     """Fill in the "self" prompts: the target, given the template's start of a user turn, writes
     the user's message itself (sampled at temperature 1, top-p 0.95), which is then rendered as
     a chat prompt. These are requests of the kinds the instruct model was tuned on, far wider
@@ -194,7 +194,7 @@ def write_self_chats(model, tokenizer, prompts: list[dict], definitions: list[di
         return
     end_of_turn = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     prefix = tokenizer(user_turn_prefix(tokenizer))["input_ids"]
-    rows = continue_batch(model, [prefix] * len(wanted), max_message_tokens, 1.0, 0.95, 1, {end_of_turn}, tokenizer.pad_token_id, seed)
+    rows = continue_in_batches(model, [prefix] * len(wanted), rows_per_batch, max_message_tokens, 1.0, 0.95, 1, {end_of_turn}, tokenizer.pad_token_id, seed)
     rng = random.Random(seed)
     for prompt, row in zip(wanted, rows):
         ids = row["generated_ids"]
@@ -243,6 +243,18 @@ def _draw_from_nucleus(sorted_probs: torch.Tensor, sorted_ids: torch.Tensor, top
     """One token per row from the nucleus of sorted_probs [B, M], whose ids are sorted_ids [B, M]. -> [B]"""
     picked = torch.multinomial(nucleus(sorted_probs, top_p), 1, generator=generator)  # [B, 1]
     return sorted_ids.gather(-1, picked).squeeze(-1)
+
+
+def continue_in_batches(model, prompt_ids: list[list[int]], rows_per_batch: int, new_tokens: int, temperature: float, top_p: float, topk: int, eos_ids: set[int], pad_id: int, seed: int) -> list[dict]:
+    """continue_batch over consecutive batches of at most `rows_per_batch` prompts (0: one batch),
+    so that a shard's KV cache fits in a CPU's memory: the default target's takes some 20 MB a
+    row at 448 tokens, 20 GB for a shard of 1,024. The batch from prompt i on samples from
+    seed + i, so one batch samples as continue_batch does."""
+    size = rows_per_batch or len(prompt_ids)
+    rows = []
+    for first in range(0, len(prompt_ids), size):
+        rows += continue_batch(model, prompt_ids[first : first + size], new_tokens, temperature, top_p, topk, eos_ids, pad_id, seed + first)
+    return rows
 
 
 @torch.inference_mode()

@@ -81,13 +81,14 @@ def stage_generate(args) -> None:
     sources = draft_data.read_split(args.heldout_percent, heldout=False, root=stdlib_folder(args))
     definitions = draft_data.all_definitions(sources)
     eos = {int(tokenizer.convert_tokens_to_ids("<|im_end|>")), int(tokenizer.eos_token_id)}
+    rows_per_batch = args.rows_per_batch if args.rows_per_batch is not None else (48 if args.device == "cpu" else 0)
     for shard in todo:
         plan = shard_plan(args, shard)
         started = time.time()
         prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.shard_size, plan["seed"], args.chat_fraction, args.max_prompt_tokens, args.self_fraction)
-        draft_data.write_self_chats(model, tokenizer, prompts, definitions, plan["seed"] + 1)
+        draft_data.write_self_chats(model, tokenizer, prompts, definitions, plan["seed"] + 1, rows_per_batch=rows_per_batch)
         ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
-        rows = draft_data.continue_batch(model, ids, args.new_tokens, plan["temperature"], plan["top_p"], args.topk, eos, tokenizer.pad_token_id, plan["seed"])
+        rows = draft_data.continue_in_batches(model, ids, rows_per_batch, args.new_tokens, plan["temperature"], plan["top_p"], args.topk, eos, tokenizer.pad_token_id, plan["seed"])
         for row, prompt in zip(rows, prompts):
             row["kind"] = prompt["kind"]
         partial = shards_dir / f"{shard:05d}.pt.partial"
@@ -533,6 +534,9 @@ def main(argv=None) -> None:
     parser.add_argument("--self-fraction", type=float, default=0.3, help="prompts whose user message the target writes itself")
     parser.add_argument("--greedy-fraction", type=float, default=0.6)
     parser.add_argument("--topk", type=int, default=32)
+    parser.add_argument("--rows-per-batch", type=int, default=None,
+                        help="prompts continued together (0: the whole shard; default: 48 on a CPU, whose memory "
+                             "a shard's KV cache would not fit, the whole shard on an accelerator)")
     parser.add_argument("--worker", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1)
     # vocab and train
