@@ -171,11 +171,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts to use")
     parser.add_argument("--prompts-file", default="", help="a JSON list of prompts (e.g. models/smollm2-draft/bench_prompts.json)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="specd-measure-") as folder:
-        if args.tiny:
-            from tests.tiny_models import save_pair
+    if not args.tiny:
+        run(args)
+        return
+    from tests.tiny_models import save_pair
 
-            args.target, args.draft = save_pair(pathlib.Path(folder))
+    with tempfile.TemporaryDirectory(prefix="specd-measure-") as folder:
+        args.target, args.draft = save_pair(pathlib.Path(folder))
         run(args)
 
 
