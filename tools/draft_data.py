@@ -212,8 +212,8 @@ def choose_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 
     With `candidates`, each row's nucleus is looked for among its `candidates` likeliest tokens
     first: on a CPU a top-k of 1024 costs a tenth of sorting 49152 ids (20 against 165 ms for
-    48 rows, one thread). A row whose candidates do not hold more than top_p of the mass is
-    sorted whole, so every row keeps the tokens a whole sort keeps.
+    48 rows, one thread; timeit, 2026-11-27). A row whose candidates do not hold more than
+    top_p of the mass is sorted whole, so every row keeps the tokens a whole sort keeps.
     """
     if temperature == 0.0:
         return logits.argmax(-1)

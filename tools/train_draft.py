@@ -443,11 +443,12 @@ def vocab_coverage(draft_model, heldout: dict[str, list[tuple[list[int], list[in
     """Per kind, the fraction of the target's continuation tokens that the draft's output layer
     covers (a draft can never draft the others; copy drafting can). 1.0 for a full-vocabulary draft."""
     token_ids = getattr(draft_model.lm_head, "token_ids", None)  # [N], a reduced-vocabulary draft's
+    if token_ids is None:
+        return {kind: 1.0 for kind in heldout}
     coverage = {}
     for kind, pairs in heldout.items():
         emitted = torch.tensor([t for _, continuation in pairs for t in continuation], dtype=torch.long)  # [T]
-        inside = torch.isin(emitted, token_ids.cpu()) if token_ids is not None else torch.ones_like(emitted, dtype=torch.bool)
-        coverage[kind] = inside.float().mean().item() if emitted.numel() else 1.0
+        coverage[kind] = torch.isin(emitted, token_ids.cpu()).float().mean().item() if emitted.numel() else 1.0
     return coverage
 
 
