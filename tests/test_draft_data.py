@@ -183,3 +183,37 @@ def test_continuing_in_batches_gives_what_one_batch_gives():
     sampled = draft_data.continue_batch(model, prompts, 10, 1.0, 0.9, 3, {0}, 0, seed=5)
     one = draft_data.continue_in_batches(model, prompts, 0, 10, 1.0, 0.9, 3, {0}, 0, seed=5)
     assert [r["generated_ids"] for r in one] == [r["generated_ids"] for r in sampled]
+
+
+def test_definition_sources_are_what_ast_cuts_out():
+    """source_segment, split once per file, cuts what ast.get_source_segment cuts, across the
+    line endings ast counts (CRLF, a lone CR) and those it does not (a form feed), multi-byte
+    characters before a column offset, and one-line and nested definitions."""
+    import ast
+
+    source = (
+        "import os\r\n"
+        "def crlf(a, b):\r\n"
+        '    """Add, über CRLF."""\r\n'
+        "    return a + b\r\n"
+        "\x0c\n"
+        "class Lone:\r"
+        '    """A lone CR ends lines here."""\r'
+        "    def method(self): return 'é'\r"
+        "\n"
+        "x = {'ü': 1}; y = lambda: 0\n"
+        "def one_line(): 'doc'; return 1\n"
+        "def outer():\n"
+        '    """Outer \x0c with a form feed inside."""\n'
+        "    def inner(): return 'ß'\n"
+        "    return inner\n"
+        "def tail(): pass"
+    )
+    tree = ast.parse(source)
+    lines = draft_data._LINE.findall(source)
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert len(nodes) == 7
+    for node in nodes:
+        assert draft_data.source_segment(lines, node) == ast.get_source_segment(source, node), node.name
+    names = [d["name"] for d in draft_data.documented_definitions("m", source)]
+    assert sorted(names) == ["Lone", "crlf", "one_line", "outer"]

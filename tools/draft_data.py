@@ -24,6 +24,7 @@ import ast
 import hashlib
 import os
 import random
+import re
 import sysconfig
 from pathlib import Path
 
@@ -91,12 +92,31 @@ def code_prompt(source: str, rng: random.Random, min_lines: int = 6, max_chars: 
     return "".join(window)[-max_chars:]
 
 
+# A line and its ending as ast counts lines: "\r\n", "\r" or "\n" end one (str.splitlines would
+# also split at form feeds and other separators, and miscount ast's line numbers).
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(source, node) for `lines` = _LINE.findall(source), split once per
+    file: get_source_segment splits the whole source again for every node, which made reading
+    the stdlib's definitions take 40 s."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    # Column offsets count UTF-8 bytes.
+    if first == last:
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset :].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1 : last], tail])
+
+
 def documented_definitions(module: str, source: str) -> list[dict]:
     """Top-level and method definitions that have a docstring: name, signature, doc, source."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
+    lines = _LINE.findall(source)
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -104,7 +124,7 @@ def documented_definitions(module: str, source: str) -> list[dict]:
         doc = ast.get_docstring(node)
         if not doc or node.name.startswith("_"):
             continue
-        segment = ast.get_source_segment(source, node) or ""
+        segment = source_segment(lines, node)
         if isinstance(node, ast.ClassDef):
             signature = node.name
         else:
