@@ -84,19 +84,28 @@ def stage_generate(args) -> None:
     rows_per_batch = args.rows_per_batch if args.rows_per_batch is not None else (48 if args.device == "cpu" else 0)
     for shard in todo:
         plan = shard_plan(args, shard)
-        started = time.time()
+        # Each phase's wall time, so a slow shard says where its time went (the rows come back to
+        # the CPU at the end of each continuation, so device work is inside its phase).
+        phases = {"started": time.time()}
         prompts = draft_data.make_prompts(tokenizer, sources, definitions, args.shard_size, plan["seed"], args.chat_fraction, args.max_prompt_tokens, args.self_fraction)
+        phases["prompts"] = time.time()
         draft_data.write_self_chats(model, tokenizer, prompts, definitions, plan["seed"] + 1, rows_per_batch=rows_per_batch)
+        phases["self"] = time.time()
         ids = [tokenizer(p["text"])["input_ids"] for p in prompts]
         rows = draft_data.continue_in_batches(model, ids, rows_per_batch, args.new_tokens, plan["temperature"], plan["top_p"], args.topk, eos, tokenizer.pad_token_id, plan["seed"])
+        phases["continue"] = time.time()
         for row, prompt in zip(rows, prompts):
             row["kind"] = prompt["kind"]
         partial = shards_dir / f"{shard:05d}.pt.partial"
         torch.save({"plan": plan, "rows": rows}, partial)
         partial.replace(shards_dir / f"{shard:05d}.pt")
+        phases["save"] = time.time()
         generated = sum(len(r["generated_ids"]) for r in rows)
         prompt_tokens = sum(len(r["prompt_ids"]) for r in rows)
-        print(f"shard {shard}: {generated} generated + {prompt_tokens} prompt tokens, T={plan['temperature']}, {time.time() - started:.0f} s", flush=True)
+        stamps = list(phases.values())
+        spent = ", ".join(f"{name} {end - start:.1f}" for name, start, end in zip(list(phases)[1:], stamps, stamps[1:]))
+        print(f"shard {shard}: {generated} generated + {prompt_tokens} prompt tokens, T={plan['temperature']}, "
+              f"{stamps[-1] - stamps[0]:.0f} s ({spent} s)", flush=True)
 
 
 # ------------------------------------------------------------------------------ vocab
