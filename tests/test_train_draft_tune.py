@@ -71,6 +71,16 @@ def fake_rows(count: int, length: int, k: int = 4) -> list[dict]:
     return rows
 
 
+def test_token_counts_count_each_positions_top_id_and_each_emitted_id():
+    rows = fake_rows(3, 9)
+    expected = torch.zeros(49152, dtype=torch.long)
+    for row in rows:
+        for token in row["top_ids"][:, 0].tolist() + row["generated_ids"]:
+            expected[token] += 1
+    counts = train_draft.token_counts(rows)
+    assert counts.shape == (49152,) and torch.equal(counts, expected) and int(counts.sum()) == 3 * 9 + 3 * 3
+
+
 def test_tuning_trains_the_exported_draft_on_this_folders_data_and_exports_it_widened(tmp_path):
     from specd.models import load_causal_lm
 

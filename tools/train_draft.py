@@ -134,11 +134,11 @@ def stage_vocab(args, rows: list[dict]) -> torch.Tensor:
 
 def token_counts(rows: list[dict]) -> torch.Tensor:
     """[V] how often the target ranks each id first, or emits it, in the rows."""
-    counts = torch.zeros(target_vocab_size(), dtype=torch.long)
-    for row in rows:
-        counts += torch.bincount(row["top_ids"][:, 0].long(), minlength=counts.numel())
-        counts += torch.bincount(torch.tensor(row["generated_ids"]), minlength=counts.numel())
-    return counts
+    # One bincount over every row's ids: a bincount and a vocabulary-wide add per row took minutes
+    # for 13k rows when two processes' thread pools shared a machine's cores.
+    top1 = torch.cat([row["top_ids"][:, 0].long() for row in rows])  # [positions]
+    emitted = torch.tensor([token for row in rows for token in row["generated_ids"]], dtype=torch.long)  # [generated]
+    return torch.bincount(torch.cat([top1, emitted]), minlength=target_vocab_size())  # [V]
 
 
 def target_vocab_size() -> int:
