@@ -377,6 +377,8 @@ def _prefill_padded(model, prompt_ids: list[list[int]], width: int, topk: int, r
         keys = layer.keys.gather(2, gather) * keep
         values = layer.values.gather(2, gather) * keep
         cache.update(keys, values, index)
+        # Freed layer by layer, so the prefill's cache and the growing one are never both whole.
+        layer.keys = layer.values = None
     return cache, prompt_top, last
 
 
