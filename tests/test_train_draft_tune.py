@@ -81,6 +81,11 @@ def test_token_counts_count_each_positions_top_id_and_each_emitted_id():
     assert counts.shape == (49152,) and torch.equal(counts, expected) and int(counts.sum()) == 3 * 9 + 3 * 3
 
 
+def test_training_without_shards_says_to_generate_first(tmp_path):
+    with pytest.raises(SystemExit, match="run the generate stage"):
+        train_draft.load_rows(tmp_path)
+
+
 def test_tuning_trains_the_exported_draft_on_this_folders_data_and_exports_it_widened(tmp_path):
     from specd.models import load_causal_lm
 

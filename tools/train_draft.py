@@ -112,8 +112,11 @@ def stage_generate(args) -> None:
 
 
 def load_rows(work: Path) -> list[dict]:
+    paths = sorted((work / "shards").glob("*.pt"))
+    if not paths:
+        raise SystemExit(f"no shards in {work / 'shards'}: run the generate stage with this --work first")
     rows = []
-    for path in sorted((work / "shards").glob("*.pt")):
+    for path in paths:
         rows.extend(torch.load(path)["rows"])
     return rows
 
