@@ -267,8 +267,8 @@ def _draw_from_nucleus(sorted_probs: torch.Tensor, sorted_ids: torch.Tensor, top
 
 def continue_in_batches(model, prompt_ids: list[list[int]], rows_per_batch: int, new_tokens: int, temperature: float, top_p: float, topk: int, eos_ids: set[int], pad_id: int, seed: int) -> list[dict]:
     """continue_batch over consecutive batches of at most `rows_per_batch` prompts (0: one batch),
-    so that a shard's KV cache fits in a CPU's memory: the default target's takes some 20 MB a
-    row at 448 tokens, 20 GB for a shard of 1,024. The batch from prompt i on samples from
+    so that a shard's KV cache fits in the device's memory: the default target's takes some 20 MB
+    a row at 448 tokens, 20 GB for a shard of 1,024. The batch from prompt i on samples from
     seed + i, so one batch samples as continue_batch does."""
     size = rows_per_batch or len(prompt_ids)
     rows = []
