@@ -106,9 +106,36 @@ def test_tuning_trains_the_exported_draft_on_this_folders_data_and_exports_it_wi
     assert torch.equal(tuned.model.layers[0].mlp.up_proj.weight, draft.model.layers[0].mlp.up_proj.weight)
 
 
-@pytest.mark.parametrize("argv", [["train", "--grow-steps", "5"], ["vocab"]])
-def test_tuning_refuses_the_stages_that_would_not_apply_to_it(tmp_path, argv, capsys):
+def test_distilling_on_fewer_rows_than_a_batch_says_so(tmp_path):
+    args = SimpleNamespace(tune_from=None, batch=8, threads=1, device="cpu")
+    with pytest.raises(SystemExit, match="3 rows in --work's shards, fewer than one batch"):
+        train_draft.distill(args, small_draft(), fake_rows(3, 10), VOCAB, tmp_path / "tuned.ckpt", 2, 1e-3, batch_seed=1)
+
+
+def test_tuning_refuses_the_vocab_stage(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train_draft.main([*argv, "--work", str(tmp_path), "--tune-from", str(tmp_path / "draft")])
-    assert "--tune-from takes the draft's own vocabulary and depth" in capsys.readouterr().err
+        train_draft.main(["vocab", "--work", str(tmp_path), "--tune-from", str(tmp_path / "draft")])
+    assert "--tune-from takes the draft's own vocabulary" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # refused before any stage ran
+
+
+def test_growing_an_exported_draft_deepens_it_and_distills_it_on_this_folders_data(tmp_path):
+    """`train --tune-from D --grow-layers L --grow-steps N`: D widened, grown by len(L) layers and
+    distilled N steps (not tuned first), exported with its own layers moved up behind the new ones."""
+    from specd.models import load_causal_lm
+
+    start, out = tmp_path / "start", tmp_path / "out"
+    draft = small_draft()
+    train_draft.stage_export(SimpleNamespace(out=start), draft)
+    (tmp_path / "shards").mkdir()
+    torch.save({"plan": {}, "rows": fake_rows(4, 20)}, tmp_path / "shards" / "00000.pt")
+    train_draft.main(["train", "--work", str(tmp_path), "--out", str(out), "--tune-from", str(start), "--draft-vocab", "520",
+                      "--grow-layers", "3,4", "--grow-steps", "2", "--warmup", "1", "--batch", "2", "--seq", "16",
+                      "--threads", "1", "--log-every", "1"])
+    assert torch.load(tmp_path / "grown.ckpt")["step"] == 2 and not (tmp_path / "tuned.ckpt").exists()
+    grown = load_causal_lm(str(out)).model
+    assert grown.config.num_hidden_layers == 5 and grown.config.borrowed_layers == 2 and grown.config.draft_vocab_size == 520
+    # The exported draft's own layer is now the last; distilled two steps from where it was, not from layer 29.
+    exported = load_causal_lm(str(start)).model
+    moved_by_training = grown.model.layers[4].mlp.up_proj.weight - exported.model.layers[2].mlp.up_proj.weight
+    assert 0 < moved_by_training.abs().max() < 0.05

@@ -18,7 +18,8 @@ models/smollm2-draft/README.md):
             --grow-steps, made deeper (new layers after the borrowed ones that start out adding
             nothing, see stage_grow) and distilled further, checkpointed the same way; or, with
             --tune-from, an exported draft distilled further on this folder's data, its output
-            layer first widened to --draft-vocab ids (stage_tune);
+            layer first widened to --draft-vocab ids (stage_tune), or, with --grow-steps too,
+            that draft grown and distilled --grow-steps steps instead;
   export    the committed files: config, its own layers + final norm + head + vocabulary
             (bf16), the target's tokenizer files (run after train, and by it);
   evaluate  greedy tokens per round at K on held-out prompts (code, chat, and requests the
@@ -266,8 +267,11 @@ def stage_grow(args, rows: list[dict], vocab: torch.Tensor, trained):
     to the residual stream at first, so the grown draft starts out computing exactly what the
     trained one does, and training builds on it instead of starting over.
     """
+    if trained.config.borrowed_layers != args.borrowed_layers:
+        raise SystemExit(f"the draft to grow borrows {trained.config.borrowed_layers} layers, not --borrowed-layers {args.borrowed_layers}")
     new_layers = layer_list(args.grow_layers)
-    grown = build_draft(args, vocab, args.trained_layers + len(new_layers), new_layers)
+    own_layers = trained.config.num_hidden_layers - args.borrowed_layers
+    grown = build_draft(args, vocab, own_layers + len(new_layers), new_layers)
     shift = len(new_layers)
     state = grown.state_dict()
     with torch.no_grad():
@@ -283,16 +287,19 @@ def stage_grow(args, rows: list[dict], vocab: torch.Tensor, trained):
     return distill(args, grown, rows, vocab, args.work / "grown.ckpt", args.grow_steps, args.grow_lr, batch_seed=args.seed + 1)
 
 
-def stage_tune(args, rows: list[dict]):
-    """The exported draft at --tune-from, distilled further on this folder's data; returns it tuned.
-
-    Its output layer is first widened to --draft-vocab ids (widen_vocab), so the draft can learn
-    the tokens of text unlike what it was first trained on; the borrowed weights stay the target's.
-    """
+def tune_start(args, rows: list[dict]):
+    """The exported draft at --tune-from, its output layer widened to --draft-vocab ids
+    (widen_vocab), so the draft can learn the tokens of text unlike what it was first trained on:
+    (draft, its vocabulary). The borrowed weights stay the target's."""
     from specd.models import load_causal_lm
 
     draft = load_causal_lm(str(args.tune_from)).model.float()
-    vocab = widen_vocab(draft, token_counts(rows), args.draft_vocab)
+    return draft, widen_vocab(draft, token_counts(rows), args.draft_vocab)
+
+
+def stage_tune(args, rows: list[dict]):
+    """The exported draft at --tune-from, distilled further on this folder's data; returns it tuned."""
+    draft, vocab = tune_start(args, rows)
     # Another batch seed than train's and grow's: the tuned draft sees its own windows of the data.
     return distill(args, draft, rows, vocab, args.work / "tuned.ckpt", args.tune_steps, args.tune_lr, batch_seed=args.seed + 2)
 
@@ -330,6 +337,8 @@ def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path
 
     `steps` sets the learning-rate schedule; with `stop_after` the run ends after that step of it.
     """
+    if len(rows) < args.batch:
+        raise SystemExit(f"{len(rows)} rows in --work's shards, fewer than one batch (--batch {args.batch}): generate more, or lower --batch")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -584,12 +593,17 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-k", type=int, default=4)
     parser.add_argument("--eval-repeats", type=int, default=60)
     args = parser.parse_args(argv)
-    if args.tune_from and (args.grow_steps or args.stage == "vocab"):
-        parser.error("--tune-from takes the draft's own vocabulary and depth: no vocab stage, no --grow-steps")
+    if args.tune_from and args.stage == "vocab":
+        parser.error("--tune-from takes the draft's own vocabulary: no vocab stage")
     if args.stage in ("generate", "all"):
         stage_generate(args)
     if args.tune_from and args.stage in ("train", "export", "all"):
-        stage_export(args, stage_tune(args, load_rows(args.work)))
+        rows = load_rows(args.work)
+        if args.grow_steps:  # grown from the exported draft and distilled --grow-steps, instead of tuned
+            draft, vocab = tune_start(args, rows)
+            stage_export(args, stage_grow(args, rows, vocab, draft))
+        else:
+            stage_export(args, stage_tune(args, rows))
     elif args.stage in ("vocab", "train", "export", "all"):
         rows = load_rows(args.work)
         vocab = stage_vocab(args, rows)
