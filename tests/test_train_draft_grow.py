@@ -65,3 +65,9 @@ def test_the_new_layers_start_from_the_named_target_layers(grown):
             assert torch.equal(layer.self_attn.q_proj.weight, target.get_tensor(f"model.layers.{source}.self_attn.q_proj.weight"))
             assert torch.equal(layer.mlp.up_proj.weight, target.get_tensor(f"model.layers.{source}.mlp.up_proj.weight"))
             assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+
+
+def test_a_draft_that_borrows_another_number_of_layers_is_not_grown(trained):
+    args, vocab, draft = trained
+    with pytest.raises(SystemExit, match="borrows 2 layers, not --borrowed-layers 3"):
+        train_draft.stage_grow(SimpleNamespace(**{**vars(args), "borrowed_layers": 3}), [], vocab, draft)

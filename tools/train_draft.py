@@ -579,7 +579,8 @@ def main(argv=None) -> None:
     parser.add_argument("--grow-lr", type=float, default=3e-4)
     parser.add_argument("--tune-from", type=Path, default=None,
                         help="train: start from this exported draft instead of the target's layers, and distill it "
-                             "further on this folder's data (its vocabulary widened to --draft-vocab)")
+                             "further on this folder's data (its vocabulary widened to --draft-vocab; with --grow-steps, "
+                             "grown by --grow-layers first)")
     parser.add_argument("--tune-steps", type=int, default=600)
     parser.add_argument("--tune-lr", type=float, default=2e-4)
     parser.add_argument("--log-every", type=int, default=100)
