@@ -35,7 +35,7 @@ class CoordinatorConfig:
     # 8 on the default pair: on an idle 2-core host a fixed B = 8 tied the adaptive controller it
     # replaced (17.86 against 18.01 tokens/s), which a fixed B = 16 trailed by 4.6% (docs/ssd.md,
     # "Budget and K: fixed"; tools/ab_ssd.py).
-    ssd_budget: int = setting(8, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
+    ssd_budget: int = setting(12, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
     ssd_fanout_r: float = setting(0.5, "ssd: exponent r of the power-law miss rate; fan-out F_k ~ P(k)^(1/(1+r))")
     # ngram measured ahead of jit on the demo pair (tools/measure_ssd.py, docs/ssd.md): 98 vs 88
     # tokens/s greedy, 47 vs 28 at temperature 1; a miss then costs no draft call at all.
