@@ -19,7 +19,7 @@ class DraftConfig(WorkerConfig):
     # Copy drafting (draft_service/copy_drafting.py): +20% tokens per round on the recipe's held-out prompts.
     copy_ngram: int = setting(3, "copy drafting: mix in the token that followed the latest earlier occurrence of the context's last N tokens (0: off)")
     copy_weight: float = setting(0.8, "copy drafting: the copied token's share of q (greedy drafts copy when it is >= 0.5)")
-    # Bounds on one call's work, so that no caller holds the model thread for long: 10x the
+    # Bounds on one call's work, so that no caller holds the model thread for long: over 10x the
     # coordinator's default --ssd-budget (12), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
     max_speculate_branches: int = setting(
         128, "Speculate: most branches one call may ask for (its fan-out's sum); keep >= the coordinator's --ssd-budget"
