@@ -559,8 +559,8 @@ def main(argv=None) -> None:
     parser.add_argument("--topk", type=int, default=32)
     parser.add_argument("--rows-per-batch", type=int, default=None,
                         help="prompts continued together (0: the whole shard; default: 48 on a CPU, whose memory "
-                             "a shard's KV cache would not fit, 512 on an accelerator: a process of 512 rows took "
-                             "up to 43 GB of an 80 GB H100)")
+                             "a shard's KV cache would not fit, 512 on an accelerator: a process of 512 rows held "
+                             "43-64 GB of an 80 GB H100)")
     parser.add_argument("--worker", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1)
     # vocab and train
