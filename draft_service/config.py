@@ -16,6 +16,12 @@ class DraftConfig(WorkerConfig):
     port: int = setting(50053, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(9403, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     max_support: int = setting(64, "at temperature > 0, truncate each q to its top-N tokens")
+    few_row_bf16: bool = setting(
+        True,
+        "with --prepack-weights and --few-row-kernel on one thread: products of 1-8 rows (a draft step, a tree's "
+        "step) read a bfloat16 copy of each linear weight, widened to float32 in registers: half the bytes a step "
+        "reads; q moves in the last bits, which the target's ratio test takes exactly (more rows: the float32 copy)",
+    )
     # Copy drafting (draft_service/copy_drafting.py): +20% tokens per round on the recipe's held-out prompts.
     copy_ngram: int = setting(3, "copy drafting: mix in the token that followed the latest earlier occurrence of the context's last N tokens (0: off)")
     copy_weight: float = setting(0.8, "copy drafting: the copied token's share of q (greedy drafts copy when it is >= 0.5)")

@@ -28,7 +28,7 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
         # must not propose them (the target refuses ids outside its tokenizer), so drop them.
         loaded.model.resize_token_embeddings(loaded.vocab_size)
     if config.prepack_weights:
-        prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel)  # after the resize: a tied output layer is packed as it will serve
+        prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel, halved=config.few_row_bf16)  # after the resize: a tied output layer is packed as it will serve
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return DraftModelRunner(loaded, sessions, config.max_support, config.copy_drafting())

@@ -9,7 +9,9 @@ one. oneDNN can take a weight laid out once, at load time; with it the same forw
 rows on one thread go to specd's own kernel where it builds and runs (specd/small_rows_kernel.py),
 which reads the plain weight once for all of them; more rows, or more threads, to oneDNN. A
 1-row product stays on the plain weight, where torch's own kernel is the fastest. The price is a
-second copy of every linear weight in memory. A module that is not an nn.Linear but takes such
+second copy of every linear weight in memory. A draft's products may go further (`halved`): a
+third, bfloat16 copy that the kernel reads for 1-8 rows at half the bytes (the draft worker's
+`--few-row-bf16`). A module that is not an nn.Linear but takes such
 a product of its `weight` (the draft's reduced output layer) opts in by defining
 `use_packed_product(product)` and is handed a PackedProduct.
 
@@ -57,7 +59,12 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 class PackedProduct:
     """x @ weight.T (+ bias) for a weight [out, in] that keeps a prepacked copy: products of more
     than one row go to specd's few-row kernel (2..MAX_ROWS rows on one thread, when given one)
-    or to oneDNN on that copy; one row, or gradients enabled, to torch's product on the weight."""
+    or to oneDNN on that copy; one row, or gradients enabled, to torch's product on the weight.
+
+    With `halved` (and a kernel), the product also keeps a bfloat16 copy of the weight, and every
+    product of 1..MAX_ROWS rows on one thread goes to the kernel on it, which reads half the bytes
+    and widens them to float32 in registers: the products differ from float32's by the weight's
+    rounding, so only a draft takes them (see prepack_linears)."""
 
     def __init__(
         self,
@@ -65,6 +72,7 @@ class PackedProduct:
         bias: torch.Tensor | None,
         rows_hint: int = ROWS_HINT,
         kernel: SmallRowsKernel | None = None,
+        halved: bool = False,
     ):
         self.weight = weight
         self.bias = bias
@@ -72,31 +80,38 @@ class PackedProduct:
         self.out_features = weight.shape[0]
         self.packed_weight = _pack(weight, rows_hint)
         self.kernel = kernel if kernel is not None and SmallRowsKernel.takes(weight, bias) else None
+        self.half_weight = weight.detach().to(torch.bfloat16).contiguous() if halved and self.kernel is not None else None  # [out, in]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows <= 1 or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
-        if self.kernel is not None and rows <= small_rows_kernel.MAX_ROWS and flat.dtype == torch.float32 \
-                and torch.get_num_threads() == 1:
-            out = self.kernel.product(flat, self.weight, self.bias)  # [rows, out]
+        few = self.kernel is not None and 1 <= rows <= small_rows_kernel.MAX_ROWS and x.dtype == torch.float32 \
+            and torch.get_num_threads() == 1
+        if few and self.half_weight is not None:
+            weight = self.half_weight
+        elif rows <= 1:
+            return F.linear(x, self.weight, self.bias)
+        elif few:
+            weight = self.weight
         else:
-            out = _packed_product(flat, self.packed_weight, self.bias)  # [rows, out]
-        return out.reshape(*x.shape[:-1], self.out_features)
+            flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
+            return _packed_product(flat, self.packed_weight, self.bias).reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
+        return self.kernel.product(flat, weight, self.bias).reshape(*x.shape[:-1], self.out_features)  # [..., out]
 
 
 class PrepackedLinear(nn.Module):
     """An nn.Linear's weight and bias (the same Parameters, so tying and state_dict hold), with
     products of more than one row taken on a prepacked copy of the weight."""
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = ROWS_HINT, kernel: SmallRowsKernel | None = None):
+    def __init__(self, linear: nn.Linear, rows_hint: int = ROWS_HINT, kernel: SmallRowsKernel | None = None, halved: bool = False):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.product = PackedProduct(linear.weight, linear.bias, rows_hint, kernel)  # a plain attribute: not in state_dict
+        self.product = PackedProduct(linear.weight, linear.bias, rows_hint, kernel, halved)  # a plain attribute: not in state_dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self.product(x)
@@ -115,14 +130,15 @@ def _packable(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
 
 
-def _eligible(module: nn.Module) -> bool:
-    """A plain nn.Linear (not a subclass, whose forward may differ) with a packable weight."""
+def plain_linear(module: nn.Module) -> bool:
+    """A plain nn.Linear (not a subclass, whose forward may differ) with a float32 CPU weight, unhooked."""
     return type(module) is nn.Linear and _unhooked(module) and _packable(module.weight)
 
 
-def _opts_in(module: nn.Module) -> bool:
-    """A module that is not an nn.Linear but takes a product of its `weight` [out, in] the same
-    way, and says so by defining `use_packed_product(product)` (specd.draft_model's output layer)."""
+def takes_weight_products(module: nn.Module) -> bool:
+    """A module that is not an nn.Linear but takes a product of its `weight` [out, in] (float32,
+    on the CPU) the same way, and says so by defining `use_packed_product(product)`
+    (specd.draft_model's output layer): it takes any callable x -> x @ weight.T."""
     return callable(getattr(module, "use_packed_product", None)) and _unhooked(module) and _packable(module.weight)
 
 
@@ -139,41 +155,22 @@ def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> 
     return torch.allclose(want, got, rtol=1e-4, atol=1e-5)
 
 
-@torch.inference_mode()
-def _kernel_agrees(kernel: SmallRowsKernel) -> bool:
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(24, 64, generator=generator)  # [out, in]
-    bias = torch.randn(24, generator=generator)  # [out]
-    x = _probe_input(weight)  # [5, in]
-    want = F.linear(x, weight, bias)  # [5, out]
-    return all(
-        torch.allclose(want[:rows], kernel.product(x[:rows].contiguous(), weight, bias), rtol=1e-4, atol=1e-5)
-        for rows in (2, 5)
-    )
-
-
-def _few_row_kernel() -> SmallRowsKernel | None:
-    """specd's few-row kernel, where it builds and agrees with torch here."""
-    kernel = small_rows_kernel.load()
-    if kernel is None:
-        return None
-    if not _kernel_agrees(kernel):
-        log.warning("specd's few-row product disagrees with torch's here: products of a few rows stay on oneDNN's")
-        return None
-    return kernel
-
-
-def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel: bool = True) -> int:
+def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel: bool = True, halved: bool = False) -> int:
     """Replace every eligible nn.Linear in `model` by a PrepackedLinear, and hand each module
     that opts in a PackedProduct of its weight; return how many weights were packed. With
-    `few_row_kernel`, products of 2..MAX_ROWS rows go to specd's kernel where it runs here."""
+    `few_row_kernel`, products of 2..MAX_ROWS rows go to specd's kernel where it runs here.
+
+    With `halved` as well, products of 1..MAX_ROWS rows go to the kernel on a bfloat16 copy of
+    each weight (PackedProduct): for a draft, whose step reads its weights as the target's does
+    and whose q may move in the last bits (the target's ratio test is exact for whatever q the
+    draft reports). Never for a target: every exactness promise is made against its float32."""
     found = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if _eligible(child)
+        if plain_linear(child)
     ]
-    opted = [module for module in model.modules() if _opts_in(module)]
+    opted = [module for module in model.modules() if takes_weight_products(module)]
     if not found and not opted:
         return 0
     if not _ops_available():
@@ -188,18 +185,22 @@ def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel
     if not agrees:
         log.warning("prepacked linear products disagree with torch's here: linear layers stay as they are")
         return 0
-    kernel = _few_row_kernel() if few_row_kernel else None
+    kernel = small_rows_kernel.load_checked() if few_row_kernel else None
     replacements: dict[int, PrepackedLinear] = {}  # one copy for a layer two parents share
     for parent, name, child in found:
         if id(child) not in replacements:
-            replacements[id(child)] = PrepackedLinear(child, rows_hint, kernel)
+            replacements[id(child)] = PrepackedLinear(child, rows_hint, kernel, halved)
         setattr(parent, name, replacements[id(child)])
     for module in opted:
-        module.use_packed_product(PackedProduct(module.weight, None, rows_hint, kernel))
+        module.use_packed_product(PackedProduct(module.weight, None, rows_hint, kernel, halved))
     weights = [linear.weight for linear in replacements.values()] + [module.weight for module in opted]
-    extra_mb = sum(weight.numel() * weight.element_size() for weight in weights) / 2**20
-    log.info(
-        "prepacked %d weights for forwards of several tokens (+%.0f MiB)%s",
-        len(weights), extra_mb, f"; 2-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel" if kernel is not None else "",
-    )
+    halves = kernel is not None and halved
+    extra_mb = sum(weight.numel() * weight.element_size() * (1.5 if halves else 1.0) for weight in weights) / 2**20
+    if kernel is None:
+        rows = ""
+    elif halves:
+        rows = f"; 1-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel, on bfloat16 copies"
+    else:
+        rows = f"; 2-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel"
+    log.info("prepacked %d weights for forwards of several tokens (+%.0f MiB)%s", len(weights), extra_mb, rows)
     return len(weights)

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +34,26 @@ BUILD_TIMEOUT_S = 120.0
 
 
 class SmallRowsKernel:
-    """The built kernel, loaded: `product(x, weight, bias)` for 1..MAX_ROWS rows."""
+    """The built kernel, loaded: `product(x, weight, bias)` for 1..MAX_ROWS rows, on a float32 or
+    a bfloat16 weight (read as it is, widened in registers: specd/bf16_weights.py)."""
+
+    WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, library: ctypes.CDLL):
-        self._linear = library.specd_small_rows_linear
-        self._linear.restype = None
-        self._linear.argtypes = [
-            ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-        ]
+        argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self._linear = {torch.float32: library.specd_small_rows_linear, torch.bfloat16: library.specd_small_rows_linear_bf16}
+        for function in self._linear.values():
+            function.restype = None
+            function.argtypes = argtypes
 
-    @staticmethod
-    def takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether the kernel can take products of this weight [out, in] and bias [out]."""
-        tensors = [weight] if bias is None else [weight, bias]
-        return weight.dim() == 2 and weight.shape[1] % 8 == 0 and all(
-            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors
+    @classmethod
+    def takes(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the kernel can take products of this weight [out, in] (float32 or bfloat16) and bias [out] (float32)."""
+        placed = [weight] if bias is None else [weight, bias]
+        return (
+            weight.dim() == 2 and weight.shape[1] % 8 == 0 and weight.dtype in cls.WEIGHT_DTYPES
+            and (bias is None or bias.dtype == torch.float32)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in placed)
         )
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -59,7 +65,7 @@ class SmallRowsKernel:
         y = torch.empty(rows, out, dtype=torch.float32)  # [rows, out]
         bias_pointer = bias.data_ptr() if bias is not None else None
         # ctypes lets go of the GIL for the call: a worker's gRPC threads run meanwhile.
-        self._linear(x.data_ptr(), rows, weight.data_ptr(), out, inner, bias_pointer, y.data_ptr())
+        self._linear[weight.dtype](x.data_ptr(), rows, weight.data_ptr(), out, inner, bias_pointer, y.data_ptr())
         return y
 
 
@@ -111,3 +117,30 @@ def load() -> SmallRowsKernel | None:
         log.info("this CPU lacks AVX2 or FMA: products of a few rows stay on oneDNN's")
         return None
     return SmallRowsKernel(library)
+
+
+@torch.inference_mode()
+def agrees_with_torch(kernel: SmallRowsKernel) -> bool:
+    """Whether the kernel's products, on a float32 weight and on a bfloat16 one, agree with
+    torch's product (on the bfloat16 weight widened) to rounding, for 2 and 5 rows."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 64, generator=generator)  # [out, in]
+    bias = torch.randn(24, generator=generator)  # [out]
+    x = torch.randn(5, 64, generator=generator)  # [5, in]
+    halved = weight.to(torch.bfloat16)  # [out, in]
+    return all(
+        torch.allclose(F.linear(x[:rows], w.float(), bias), kernel.product(x[:rows].contiguous(), w, bias), rtol=1e-4, atol=1e-5)
+        for rows in (2, 5)
+        for w in (weight, halved)
+    )
+
+
+def load_checked() -> SmallRowsKernel | None:
+    """The kernel, where it builds here and agrees with torch's product (said once, in the log, where not)."""
+    kernel = load()
+    if kernel is None:
+        return None
+    if not agrees_with_torch(kernel):
+        log.warning("specd's few-row product disagrees with torch's here: products of a few rows stay on oneDNN's")
+        return None
+    return kernel

@@ -18,6 +18,15 @@ CALL_TIMEOUT_S = 60.0  # every test RPC has a deadline: a hang fails instead of 
 NEAR_TIE = 1e-4  # the contract's top-2 logit gap below which a greedy divergence is acceptable
 
 
+@pytest.fixture
+def one_thread():
+    """A worker's setting under specd up: one torch thread (specd's few-row kernel serves one thread only)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[str, str]:
     """A tiny Llama target and its perturbed draft, sharing one tokenizer, built once per run."""

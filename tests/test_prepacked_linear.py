@@ -9,11 +9,11 @@ from torch import nn
 from specd import prepacked_linear
 from specd.kv_cache import GrowingKVCache
 from specd.prepacked_linear import PrepackedLinear, prepack_linears
+from tests.cpu_products import needs_onednn
 from tests.tiny_models import build_llama
 
 VOCAB = 96
 
-needs_onednn = pytest.mark.skipif(not prepacked_linear._ops_available(), reason="torch built without oneDNN")
 
 
 def _linears(model: nn.Module) -> list[nn.Module]:

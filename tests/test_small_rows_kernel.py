@@ -3,25 +3,18 @@ products of 2-8 rows it is meant for (and only those) inside a prepacked model."
 
 from __future__ import annotations
 
-import platform
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specd import prepacked_linear, small_rows_kernel
-from specd.kv_cache import GrowingKVCache
 from specd.prepacked_linear import PrepackedLinear, prepack_linears
+from tests.cpu_products import builds_here, count_kernel_products, feed_side_by_side, needs_onednn
 from tests.tiny_models import build_llama
 
 VOCAB = 96
 
-builds_here = pytest.mark.skipif(
-    platform.machine().lower() not in ("x86_64", "amd64") or not (shutil.which("cc") or shutil.which("gcc")),
-    reason="the kernel is for x86-64 and is built with the machine's C compiler",
-)
-needs_onednn = pytest.mark.skipif(not prepacked_linear._ops_available(), reason="torch built without oneDNN")
 
 
 @pytest.fixture
@@ -31,15 +24,6 @@ def fresh_cache(tmp_path, monkeypatch):
     small_rows_kernel.load.cache_clear()
     yield tmp_path
     small_rows_kernel.load.cache_clear()
-
-
-@pytest.fixture
-def one_thread():
-    """A worker's setting under specd up: the kernel serves one thread only."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -130,18 +114,6 @@ def test_it_does_not_take_what_it_cannot_compute():
     assert small_rows_kernel.SmallRowsKernel.takes(torch.randn(8, 64), torch.randn(8))
 
 
-class _CountingKernel:
-    """The real kernel, counting the rows of each product it takes."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.rows: list[int] = []
-
-    def product(self, x, weight, bias):
-        self.rows.append(x.shape[0])
-        return self.kernel.product(x, weight, bias)
-
-
 @builds_here
 @needs_onednn
 def test_a_prepacked_model_sends_products_of_2_to_8_rows_on_one_thread_to_it(fresh_cache, one_thread):
@@ -152,27 +124,17 @@ def test_a_prepacked_model_sends_products_of_2_to_8_rows_on_one_thread_to_it(fre
     assert prepack_linears(packed) > 0
     products = [m.product for m in packed.modules() if isinstance(m, PrepackedLinear)]
     assert all(p.kernel is not None for p in products)
-    counter = _CountingKernel(products[0].kernel)
-    for product in products:
-        product.kernel = counter
-    generator = torch.Generator().manual_seed(0)
-    feeds = [torch.randint(1, VOCAB, (1, n), generator=generator) for n in (12, 5, 1, 8, 3)]  # [1, n] each
-    with torch.inference_mode():
-        caches = GrowingKVCache(), GrowingKVCache()
-        for ids in feeds:
-            want = plain(input_ids=ids, past_key_values=caches[0], use_cache=True).logits  # [1, n, V]
-            got = packed(input_ids=ids, past_key_values=caches[1], use_cache=True).logits  # [1, n, V]
-            assert torch.allclose(want, got, rtol=1e-4, atol=1e-4)
-            assert want.argmax(-1).equal(got.argmax(-1))
+    counter, layers = count_kernel_products(packed, products[0].kernel)
+    feed_side_by_side(lambda tokens: plain, packed, VOCAB)
     # 12 tokens go to oneDNN, 1 to torch's product; 5, 8 and 3 to the kernel, every layer.
     assert sorted(set(counter.rows)) == [3, 5, 8]
-    assert len(counter.rows) == 3 * len(products)
+    assert len(counter.rows) == 3 * layers
 
-    counter.rows.clear()
+    counter.calls.clear()
     torch.set_num_threads(2)  # more threads: oneDNN's threaded product, not the one-thread kernel
     with torch.inference_mode():
-        packed(input_ids=feeds[1])
-    assert counter.rows == []
+        packed(input_ids=torch.randint(1, VOCAB, (1, 5)))
+    assert counter.calls == []
 
 
 @needs_onednn

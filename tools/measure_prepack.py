@@ -2,13 +2,15 @@
 
 Loads the model three times (as it comes; with specd/prepacked_linear.py's layers on oneDNN's
 product alone; and with specd's few-row kernel taking products of 2-8 rows, as a worker serves
-it on one thread), prefills each with the same context, then times forwards of each length on
+it on one thread; with --halved a fourth time, as the draft worker serves a draft: products of
+1-8 rows on the kernel on bfloat16 copies of the weights), prefills each with the same context, then times forwards of each length on
 top of it, rotating which copy goes first, and prints the median per length and the ratio of
 each length to a one-token step: what `--prepack-weights` and `--few-row-kernel` buy on this
 CPU. With `--cpu` it runs pinned there (the target worker's CPU under `specd up` is 0).
 
     python tools/measure_prepack.py --cpu 0
     python tools/measure_prepack.py --model models/smollm2-draft --lengths 1,9
+    python tools/measure_prepack.py --model models/smollm2-draft --lengths 1,2,4,8 --halved --cpu 1
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=10, help="timed forwards per length and copy")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a worker's default under specd up is 1)")
     parser.add_argument("--cpu", type=int, default=-1, help="pin to this CPU (-1: do not pin)")
+    parser.add_argument("--halved", action="store_true",
+                        help="a fourth copy as the draft worker serves it: 1-8 rows on the kernel on bfloat16 copies (--few-row-bf16)")
     return parser.parse_args(argv)
 
 
@@ -81,6 +85,10 @@ def main() -> None:
     prepack_linears(kernel)
     if any(isinstance(m, PrepackedLinear) and m.product.kernel is not None for m in kernel.modules()):
         models["kernel"] = kernel
+        if args.halved:
+            halved = load_causal_lm(args.model).model
+            prepack_linears(halved, halved=True)
+            models["bf16"] = halved
     else:
         print("specd's few-row kernel does not run here: timing the other two")
     times = time_forwards(models, lengths, args.context, args.trials)
@@ -91,7 +99,7 @@ def main() -> None:
         for n in lengths:
             ratio = f" ({medians[n] / medians[1]:.2f}x)" if 1 in medians and n != 1 else ""
             cells.append(f"{n} tokens {medians[n]:.1f} ms{ratio}")
-        print(f"{name:>9}: " + ", ".join(cells))
+        print(f"{name:>9}: " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,15 @@
  * every input row's running sum in a register, so 2-8 rows cost about what one costs.
  * Each output is the same sum in the same order whatever the row count: a row's result does
  * not depend on the rows beside it. No -ffast-math: the order below is the order computed.
+ *
+ * A weight may also come in bfloat16 (specd/bf16_weights.py): each 8-wide load is widened to
+ * float32 in registers (exactly: a bfloat16 is a float32's upper half), then summed in the same
+ * order, so the product equals the float32 kernel's on the widened weight, bit for bit, while
+ * reading half the bytes.
  */
 
 #include <stddef.h>
+#include <stdint.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -27,17 +33,29 @@ SPECD_AVX2 static inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(sum);
 }
 
-/* x [rows, in], weight [out, in], bias [out] or NULL, y [rows, out]; all contiguous float32;
- * 1 <= rows <= 8, in % 8 == 0. */
-SPECD_AVX2 void specd_small_rows_linear(const float *x, long rows, const float *weight, long out, long in,
-                                        const float *bias, float *y) {
+/* Eight weights from row w at k, as float32: loaded, or widened from bfloat16 (shifted into a
+ * float32's upper half). */
+SPECD_AVX2 static inline __attribute__((always_inline)) __m256 load_weights(const void *w, long k, int bf16) {
+    if (bf16) {
+        __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    }
+    return _mm256_loadu_ps((const float *)w + k);
+}
+
+/* x [rows, in], weight [out, in] (float32, or bfloat16 with bf16 set), bias [out] or NULL,
+ * y [rows, out]; x, bias and y contiguous float32; 1 <= rows <= 8, in % 8 == 0. */
+SPECD_AVX2 static inline __attribute__((always_inline)) void rows_product(const float *x, long rows, const void *weight,
+                                                                         int bf16, long out, long in, const float *bias,
+                                                                         float *y) {
     if (rows < 1 || rows > 8) return; /* one register of sums per row: the caller keeps to 8 */
+    size_t width = bf16 ? sizeof(uint16_t) : sizeof(float);
     for (long j = 0; j < out; j++) {
-        const float *w = weight + j * in;
+        const void *w = (const char *)weight + (size_t)j * (size_t)in * width;
         __m256 acc[8];
         for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
         for (long k = 0; k < in; k += 8) {
-            __m256 wk = _mm256_loadu_ps(w + k);
+            __m256 wk = load_weights(w, k, bf16);
             switch (rows) { /* falls through: rows-1 .. 0 */
             case 8: acc[7] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 7 * in + k), acc[7]); /* fall through */
             case 7: acc[6] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 6 * in + k), acc[6]); /* fall through */
@@ -54,12 +72,28 @@ SPECD_AVX2 void specd_small_rows_linear(const float *x, long rows, const float *
     }
 }
 
+SPECD_AVX2 void specd_small_rows_linear(const float *x, long rows, const float *weight, long out, long in,
+                                        const float *bias, float *y) {
+    rows_product(x, rows, weight, 0, out, in, bias, y);
+}
+
+/* The same product on a bfloat16 weight [out, in] (uint16 bit patterns). */
+SPECD_AVX2 void specd_small_rows_linear_bf16(const float *x, long rows, const uint16_t *weight, long out, long in,
+                                             const float *bias, float *y) {
+    rows_product(x, rows, weight, 1, out, in, bias, y);
+}
+
 #else
 
 int specd_small_rows_supported(void) { return 0; }
 
 void specd_small_rows_linear(const float *x, long rows, const float *weight, long out, long in, const float *bias,
                              float *y) {
+    (void)x; (void)rows; (void)weight; (void)out; (void)in; (void)bias; (void)y;
+}
+
+void specd_small_rows_linear_bf16(const float *x, long rows, const uint16_t *weight, long out, long in,
+                                  const float *bias, float *y) {
     (void)x; (void)rows; (void)weight; (void)out; (void)in; (void)bias; (void)y;
 }
 
