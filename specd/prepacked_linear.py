@@ -5,11 +5,11 @@ matrix product reads them at about that rate for one row. For a few rows (a veri
 tokens, one forward over several sessions' steps) it lays the weight out anew for its kernel
 on every call, and with the default target on one core a 5-token forward cost ~2x a 1-token
 one. oneDNN can take a weight laid out once, at load time; with it the same forward cost
-~1.66x (`python tools/measure_prepack.py --cpu 0` times them side by side). Products of 2-8
+~1.66x (`python tools/measure_prepack.py --cpu 0` times them side by side). Products of 1-8
 rows on one thread go to specd's own kernel where it builds and runs (specd/small_rows_kernel.py),
-which reads the plain weight once for all of them; more rows, or more threads, to oneDNN. A
-1-row product stays on the plain weight, where torch's own kernel is the fastest. The price is a
-second copy of every linear weight in memory. A draft's products may go further (`halved`): a
+which reads the plain weight once for all of them, and for one row reads it faster than torch's
+product does; more rows, or more threads, to oneDNN (one row on more threads: torch's product).
+The price is a second copy of every linear weight in memory. A draft's products may go further (`halved`): a
 third, bfloat16 copy that the kernel reads for 1-8 rows at half the bytes (the draft worker's
 `--few-row-bf16`). A module that is not an nn.Linear but takes such
 a product of its `weight` (the draft's reduced output layer) opts in by defining
@@ -57,14 +57,14 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 
 
 class PackedProduct:
-    """x @ weight.T (+ bias) for a weight [out, in] that keeps a prepacked copy: products of more
-    than one row go to specd's few-row kernel (2..MAX_ROWS rows on one thread, when given one)
-    or to oneDNN on that copy; one row, or gradients enabled, to torch's product on the weight.
+    """x @ weight.T (+ bias) for a weight [out, in] that keeps a prepacked copy: products of
+    1..MAX_ROWS rows on one thread go to specd's few-row kernel (when given one), other products
+    of more than one row to oneDNN on that copy, and the rest (one row on more threads or
+    without the kernel, or gradients enabled) to torch's product on the weight.
 
-    With `halved` (and a kernel), the product also keeps a bfloat16 copy of the weight, and every
-    product of 1..MAX_ROWS rows on one thread goes to the kernel on it, which reads half the bytes
-    and widens them to float32 in registers: the products differ from float32's by the weight's
-    rounding, so only a draft takes them (see prepack_linears)."""
+    With `halved` (and a kernel), the product also keeps a bfloat16 copy of the weight, which the
+    kernel reads instead, at half the bytes, widening it to float32 in registers: the products
+    differ from float32's by the weight's rounding, so only a draft takes them (see prepack_linears)."""
 
     def __init__(
         self,
@@ -88,17 +88,14 @@ class PackedProduct:
             return F.linear(x, self.weight, self.bias)
         few = self.kernel is not None and 1 <= rows <= small_rows_kernel.MAX_ROWS and x.dtype == torch.float32 \
             and torch.get_num_threads() == 1
-        if few and self.half_weight is not None:
-            weight = self.half_weight
-        elif rows <= 1:
-            return F.linear(x, self.weight, self.bias)
-        elif few:
-            weight = self.weight
-        else:
+        if few:
+            weight = self.half_weight if self.half_weight is not None else self.weight
             flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
-            return _packed_product(flat, self.packed_weight, self.bias).reshape(*x.shape[:-1], self.out_features)
+            return self.kernel.product(flat, weight, self.bias).reshape(*x.shape[:-1], self.out_features)  # [..., out]
+        if rows <= 1:
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
-        return self.kernel.product(flat, weight, self.bias).reshape(*x.shape[:-1], self.out_features)  # [..., out]
+        return _packed_product(flat, self.packed_weight, self.bias).reshape(*x.shape[:-1], self.out_features)
 
 
 class PrepackedLinear(nn.Module):
@@ -158,9 +155,9 @@ def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> 
 def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel: bool = True, halved: bool = False) -> int:
     """Replace every eligible nn.Linear in `model` by a PrepackedLinear, and hand each module
     that opts in a PackedProduct of its weight; return how many weights were packed. With
-    `few_row_kernel`, products of 2..MAX_ROWS rows go to specd's kernel where it runs here.
+    `few_row_kernel`, products of 1..MAX_ROWS rows on one thread go to specd's kernel where it runs here.
 
-    With `halved` as well, products of 1..MAX_ROWS rows go to the kernel on a bfloat16 copy of
+    With `halved` as well, the kernel takes those products on a bfloat16 copy of
     each weight (PackedProduct): for a draft, whose step reads its weights as the target's does
     and whose q may move in the last bits (the target's ratio test is exact for whatever q the
     draft reports). Never for a target: every exactness promise is made against its float32."""
@@ -198,9 +195,7 @@ def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel
     extra_mb = sum(weight.numel() * weight.element_size() * (1.5 if halves else 1.0) for weight in weights) / 2**20
     if kernel is None:
         rows = ""
-    elif halves:
-        rows = f"; 1-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel, on bfloat16 copies"
     else:
-        rows = f"; 2-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel"
+        rows = f"; 1-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel" + (", on bfloat16 copies" if halves else "")
     log.info("prepacked %d weights for forwards of several tokens (+%.0f MiB)%s", len(weights), extra_mb, rows)
     return len(weights)

@@ -1,10 +1,10 @@
-"""specd's product for a few rows: x @ W.T over 2-8 rows that reads the weight once.
+"""specd's product for a few rows: x @ W.T over 1-8 rows that reads the weight once.
 
 On a CPU, torch's kernels (and oneDNN's, on a prepacked weight) take a product of a few rows
 at well under the rate they read weights for one row, so a verify of 4 tokens cost ~1.66x a
 one-token step on oneDNN's prepacked weights though it reads the same weights. `kernels/small_rows_linear.c` streams each
 weight row once with every input row's sum in a register (`python tools/measure_prepack.py`
-times it beside the other products). It is C, built with the machine's C compiler the first
+times it beside the other products); for one row it also reads faster than torch's product. It is C, built with the machine's C compiler the first
 time a worker needs it and kept in specd's cache folder; where there is no compiler, no
 x86-64 CPU with AVX2 and FMA, or the build fails, `load()` says so once and returns None,
 and products stay on oneDNN's.

@@ -26,9 +26,9 @@ class WorkerConfig:
     )
     few_row_kernel: bool = setting(
         True,
-        "with --prepack-weights on one thread: take products of 2-8 rows (a verify, a draft tree's step) with "
-        "specd's own kernel, built with the machine's C compiler on first use, which reads each weight once for "
-        "all rows (where it cannot build or run, oneDNN's product)",
+        "with --prepack-weights on one thread: take products of 1-8 rows (a one-token step, a verify, a draft "
+        "tree's step) with specd's own kernel, built with the machine's C compiler on first use, which reads each "
+        "weight once for all rows (where it cannot build or run, torch's and oneDNN's products)",
     )
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")

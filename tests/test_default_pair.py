@@ -39,8 +39,15 @@ def reference():
 
 @pytest.fixture(scope="module")
 def stack():
-    with running_stack(DEFAULT_TARGET, DEFAULT_DRAFT) as running:
-        yield running
+    # One thread per worker, as `specd up` serves them: specd's few-row kernel then takes their
+    # products (the target's one-token steps and verifies, the draft's bfloat16 steps).
+    before = torch.get_num_threads()
+    one = {"threads": 1}
+    try:
+        with running_stack(DEFAULT_TARGET, DEFAULT_DRAFT, target_overrides=one, draft_overrides=one) as running:
+            yield running
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_reference_writes_real_code(reference):

@@ -53,14 +53,14 @@ def test_a_tied_output_layer_keeps_the_embedding_as_its_weight():
 def test_forwards_of_several_tokens_agree_to_rounding_and_a_lone_token_is_bitwise():
     plain = build_llama(VOCAB, seed=5, hidden=64, layers=2)
     packed = build_llama(VOCAB, seed=5, hidden=64, layers=2)
-    prepack_linears(packed)
+    prepack_linears(packed, few_row_kernel=False)  # oneDNN's products alone (the kernel's: tests/test_small_rows_kernel.py)
     generator = torch.Generator().manual_seed(0)
     feeds = [torch.randint(1, VOCAB, (1, n), generator=generator) for n in (12, 5, 1, 1, 9)]  # [1, n] each
 
     for index, (want, got) in enumerate(zip(_logits(plain, feeds), _logits(packed, feeds))):
         assert torch.allclose(want, got, rtol=1e-4, atol=1e-4), f"forward {index}"
         assert want.argmax(-1).equal(got.argmax(-1)), f"forward {index}"
-    # One token on an empty cache: every product has one row, so torch's own product serves it.
+    # One token on an empty cache: every product has one row, which without the kernel torch's own product serves.
     lone = feeds[2]  # [1, 1]
     assert torch.equal(_logits(plain, [lone])[0], _logits(packed, [lone])[0])
 
@@ -99,13 +99,13 @@ def test_a_module_that_opts_in_gets_a_packed_product_of_its_weight():
             self.product = product
 
     head = Head()
-    assert prepack_linears(head) == 1
+    assert prepack_linears(head, few_row_kernel=False) == 1
     assert head.product.weight is head.weight
     x = torch.randn(2, 3, 16)  # [2, 3, in]: six rows
     with torch.inference_mode():
         got = head.product(x)  # [2, 3, out]
     assert got.shape == (2, 3, 40) and torch.allclose(got, x @ head.weight.T, rtol=1e-4, atol=1e-5)
-    assert torch.equal(head.product(x[:1, :1]), nn.functional.linear(x[:1, :1], head.weight))  # one row: torch's
+    assert torch.equal(head.product(x[:1, :1]), nn.functional.linear(x[:1, :1], head.weight))  # one row, no kernel: torch's
 
     hooked = Head()
     hooked.register_forward_pre_hook(lambda module, args: None)

@@ -1,5 +1,5 @@
 """specd/small_rows_kernel.py: the few-row product builds, agrees with torch's, and takes the
-products of 2-8 rows it is meant for (and only those) inside a prepacked model."""
+products of 1-8 rows on one thread it is meant for (and only those) inside a prepacked model."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_it_does_not_take_what_it_cannot_compute():
 
 @builds_here
 @needs_onednn
-def test_a_prepacked_model_sends_products_of_2_to_8_rows_on_one_thread_to_it(fresh_cache, one_thread):
+def test_a_prepacked_model_sends_products_of_1_to_8_rows_on_one_thread_to_it(fresh_cache, one_thread):
     if small_rows_kernel.load() is None:
         pytest.skip("this CPU lacks AVX2 or FMA")
     plain = build_llama(VOCAB, seed=5, hidden=64, layers=2)
@@ -126,14 +126,15 @@ def test_a_prepacked_model_sends_products_of_2_to_8_rows_on_one_thread_to_it(fre
     assert all(p.kernel is not None for p in products)
     counter, layers = count_kernel_products(packed, products[0].kernel)
     feed_side_by_side(lambda tokens: plain, packed, VOCAB)
-    # 12 tokens go to oneDNN, 1 to torch's product; 5, 8 and 3 to the kernel, every layer.
-    assert sorted(set(counter.rows)) == [3, 5, 8]
-    assert len(counter.rows) == 3 * layers
+    # 12 tokens go to oneDNN; 5, 1, 8 and 3 to the kernel, every layer.
+    assert sorted(set(counter.rows)) == [1, 3, 5, 8]
+    assert len(counter.rows) == 4 * layers
 
     counter.calls.clear()
-    torch.set_num_threads(2)  # more threads: oneDNN's threaded product, not the one-thread kernel
+    torch.set_num_threads(2)  # more threads: oneDNN's threaded product and torch's, not the one-thread kernel
     with torch.inference_mode():
         packed(input_ids=torch.randint(1, VOCAB, (1, 5)))
+        packed(input_ids=torch.randint(1, VOCAB, (1, 1)))
     assert counter.calls == []
 
 

@@ -1,7 +1,7 @@
 """Time a model's forwards with and without prepacked linear weights, side by side.
 
 Loads the model three times (as it comes; with specd/prepacked_linear.py's layers on oneDNN's
-product alone; and with specd's few-row kernel taking products of 2-8 rows, as a worker serves
+product alone; and with specd's few-row kernel taking products of 1-8 rows, as a worker serves
 it on one thread; with --halved a fourth time, as the draft worker serves a draft: products of
 1-8 rows on the kernel on bfloat16 copies of the weights), prefills each with the same context, then times forwards of each length on
 top of it, rotating which copy goes first, and prints the median per length and the ratio of
