@@ -9,11 +9,11 @@ one. oneDNN can take a weight laid out once, at load time; with it the same forw
 rows on one thread go to specd's own kernel where it builds and runs (specd/small_rows_kernel.py),
 which reads the plain weight once for all of them, and for one row reads it faster than torch's
 product does; more rows, or more threads, to oneDNN (one row on more threads: torch's product).
-The price is a second copy of every linear weight in memory. A draft's products may go further (`halved`): a
-third, bfloat16 copy that the kernel reads for 1-8 rows at half the bytes (the draft worker's
-`--few-row-bf16`). A module that is not an nn.Linear but takes such
-a product of its `weight` (the draft's reduced output layer) opts in by defining
-`use_packed_product(product)` and is handed a PackedProduct.
+The price is a second copy of every linear weight in memory. A draft's products may go further
+(`halved`): a third, bfloat16 copy that the kernel reads for 1-8 rows at half the bytes (the
+draft worker's `--few-row-bf16`). A module that is not an nn.Linear but takes such a product of
+its `weight` (the draft's reduced output layer) opts in by defining `use_packed_product(product)`
+and is handed a PackedProduct.
 
 A prepacked product sums in another order than torch's, so its results differ in the last bits,
 as a K+1-token verify's already differ from a one-token step's: greedy outputs differ only at
@@ -80,7 +80,8 @@ class PackedProduct:
         self.out_features = weight.shape[0]
         self.packed_weight = _pack(weight, rows_hint)
         self.kernel = kernel if kernel is not None and SmallRowsKernel.takes(weight, bias) else None
-        self.half_weight = weight.detach().to(torch.bfloat16).contiguous() if halved and self.kernel is not None else None  # [out, in]
+        halves = halved and self.kernel is not None
+        self.half_weight = weight.detach().to(torch.bfloat16).contiguous() if halves else None  # [out, in]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
@@ -100,9 +101,11 @@ class PackedProduct:
 
 class PrepackedLinear(nn.Module):
     """An nn.Linear's weight and bias (the same Parameters, so tying and state_dict hold), with
-    products of more than one row taken on a prepacked copy of the weight."""
+    its products taken as PackedProduct takes them (a prepacked copy, specd's kernel)."""
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = ROWS_HINT, kernel: SmallRowsKernel | None = None, halved: bool = False):
+    def __init__(
+        self, linear: nn.Linear, rows_hint: int = ROWS_HINT, kernel: SmallRowsKernel | None = None, halved: bool = False
+    ):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -127,12 +130,12 @@ def _packable(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
 
 
-def plain_linear(module: nn.Module) -> bool:
+def _eligible(module: nn.Module) -> bool:
     """A plain nn.Linear (not a subclass, whose forward may differ) with a float32 CPU weight, unhooked."""
     return type(module) is nn.Linear and _unhooked(module) and _packable(module.weight)
 
 
-def takes_weight_products(module: nn.Module) -> bool:
+def _opts_in(module: nn.Module) -> bool:
     """A module that is not an nn.Linear but takes a product of its `weight` [out, in] (float32,
     on the CPU) the same way, and says so by defining `use_packed_product(product)`
     (specd.draft_model's output layer): it takes any callable x -> x @ weight.T."""
@@ -155,7 +158,8 @@ def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int) -> 
 def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel: bool = True, halved: bool = False) -> int:
     """Replace every eligible nn.Linear in `model` by a PrepackedLinear, and hand each module
     that opts in a PackedProduct of its weight; return how many weights were packed. With
-    `few_row_kernel`, products of 1..MAX_ROWS rows on one thread go to specd's kernel where it runs here.
+    `few_row_kernel`, products of 1..MAX_ROWS rows on one thread go to specd's kernel where it
+    runs here.
 
     With `halved` as well, the kernel takes those products on a bfloat16 copy of
     each weight (PackedProduct): for a draft, whose step reads its weights as the target's does
@@ -165,9 +169,9 @@ def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if plain_linear(child)
+        if _eligible(child)
     ]
-    opted = [module for module in model.modules() if takes_weight_products(module)]
+    opted = [module for module in model.modules() if _opts_in(module)]
     if not found and not opted:
         return 0
     if not _ops_available():

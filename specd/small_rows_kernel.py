@@ -2,9 +2,10 @@
 
 On a CPU, torch's kernels (and oneDNN's, on a prepacked weight) take a product of a few rows
 at well under the rate they read weights for one row, so a verify of 4 tokens cost ~1.66x a
-one-token step on oneDNN's prepacked weights though it reads the same weights. `kernels/small_rows_linear.c` streams each
-weight row once with every input row's sum in a register (`python tools/measure_prepack.py`
-times it beside the other products); for one row it also reads faster than torch's product. It is C, built with the machine's C compiler the first
+one-token step on oneDNN's prepacked weights though it reads the same weights.
+`kernels/small_rows_linear.c` streams each weight row once with every input row's sum in a
+register (`python tools/measure_prepack.py` times it beside the other products); for one row
+it also reads faster than torch's product. It is C, built with the machine's C compiler the first
 time a worker needs it and kept in specd's cache folder; where there is no compiler, no
 x86-64 CPU with AVX2 and FMA, or the build fails, `load()` says so once and returns None,
 and products stay on oneDNN's.
@@ -35,7 +36,8 @@ BUILD_TIMEOUT_S = 120.0
 
 class SmallRowsKernel:
     """The built kernel, loaded: `product(x, weight, bias)` for 1..MAX_ROWS rows, on a float32 or
-    a bfloat16 weight (read as it is, widened in registers: specd/bf16_weights.py)."""
+    a bfloat16 weight (read as it is, widened in registers: a draft's halved products,
+    specd/prepacked_linear.py)."""
 
     WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -2,14 +2,14 @@
  *
  * A CPU forward over a few tokens (a verify of K+1, a draft tree's step) is bound by reading
  * the weights, as a one-token step is; this kernel streams each weight row once and keeps
- * every input row's running sum in a register, so 2-8 rows cost about what one costs.
+ * every input row's running sum in a register, so a few rows cost about what one costs.
  * Each output is the same sum in the same order whatever the row count: a row's result does
  * not depend on the rows beside it. No -ffast-math: the order below is the order computed.
  *
- * A weight may also come in bfloat16 (specd/bf16_weights.py): each 8-wide load is widened to
- * float32 in registers (exactly: a bfloat16 is a float32's upper half), then summed in the same
- * order, so the product equals the float32 kernel's on the widened weight, bit for bit, while
- * reading half the bytes.
+ * A weight may also come in bfloat16 (a draft's halved products, specd/prepacked_linear.py):
+ * each 8-wide load is widened to float32 in registers (exactly: a bfloat16 is a float32's upper
+ * half), then summed in the same order, so the product equals the float32 kernel's on the
+ * widened weight, bit for bit, while reading half the bytes.
  */
 
 #include <stddef.h>
