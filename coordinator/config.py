@@ -32,9 +32,10 @@ class CoordinatorConfig:
     max_prompt_bytes: int = setting(
         1 << 20, "largest prompt a request may send, in UTF-8 bytes (prompt, or the chat messages together), checked before tokenising"
     )
-    # 8 on the default pair: on an idle 2-core host a fixed B = 8 tied the adaptive controller it
-    # replaced (17.86 against 18.01 tokens/s), which a fixed B = 16 trailed by 4.6% (docs/ssd.md,
-    # "Budget and K: fixed"; tools/ab_ssd.py).
+    # 12 on the default pair: side by side on one pair of workers B = 12 ran 13% and 16% ahead of
+    # B = 8 in two runs, B = 16 and 24 behind it (tools/ab_ssd.py, 2026-11-27), and it stayed
+    # ahead of 16 and 24 once the draft's step got cheaper (2026-11-28; docs/ssd.md, "Budget and
+    # K: fixed"). B = 8 had tied the adaptive controller it replaced.
     ssd_budget: int = setting(12, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
     ssd_fanout_r: float = setting(0.5, "ssd: exponent r of the power-law miss rate; fan-out F_k ~ P(k)^(1/(1+r))")
     # ngram measured ahead of jit on the demo pair (tools/measure_ssd.py, docs/ssd.md): 98 vs 88

@@ -3,10 +3,11 @@
 Loads the model three times (as it comes; with specd/prepacked_linear.py's layers on oneDNN's
 product alone; and with specd's few-row kernel taking products of 1-8 rows, as a worker serves
 it on one thread; with --halved a fourth time, as the draft worker serves a draft: products of
-1-8 rows on the kernel on bfloat16 copies of the weights), prefills each with the same context, then times forwards of each length on
-top of it, rotating which copy goes first, and prints the median per length and the ratio of
-each length to a one-token step: what `--prepack-weights` and `--few-row-kernel` buy on this
-CPU. With `--cpu` it runs pinned there (the target worker's CPU under `specd up` is 0).
+1-8 rows on the kernel on bfloat16 copies of the weights), prefills each with the same context,
+then times forwards of each length on top of it, rotating which copy goes first, and prints
+the median per length and the ratio of each length to a one-token step: what
+`--prepack-weights`, `--few-row-kernel` and `--few-row-bf16` buy on this CPU. With `--cpu` it
+runs pinned there (the target worker's CPU under `specd up` is 0).
 
     python tools/measure_prepack.py --cpu 0
     python tools/measure_prepack.py --model models/smollm2-draft --lengths 1,9
