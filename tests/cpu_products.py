@@ -21,6 +21,10 @@ builds_here = pytest.mark.skipif(
 needs_onednn = pytest.mark.skipif(not prepacked_linear._ops_available(), reason="torch built without oneDNN")
 
 FEED_LENGTHS = (12, 5, 1, 8, 3)  # tokens per forward: past the kernel's 8 rows, within them, one
+# (in, out) of kernel products: inner widths that fill whole 64-byte lines of weights (64, 576,
+# 1536: what models have) and ones that end part-way through a line (40, 56), since the kernel
+# walks a weight row a line at a time, then finishes it eight weights at a time.
+INNER_OUT = [(64, 24), (576, 192), (1536, 40), (40, 24), (56, 16)]
 
 
 class CountingKernel:

@@ -13,7 +13,7 @@ from torch import nn
 from specd import small_rows_kernel
 from specd.prepacked_linear import PrepackedLinear, prepack_linears
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
-from tests.cpu_products import builds_here, count_kernel_products, feed_side_by_side, needs_onednn
+from tests.cpu_products import INNER_OUT, builds_here, count_kernel_products, feed_side_by_side, needs_onednn
 from tests.tiny_models import build_llama
 
 VOCAB = 96
@@ -29,7 +29,7 @@ def kernel():
 
 
 @builds_here
-@pytest.mark.parametrize("inner,out", [(64, 24), (576, 192), (1536, 40)])
+@pytest.mark.parametrize("inner,out", INNER_OUT)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_bf16_weight_gives_bitwise_the_float32_product_of_its_widened_values(kernel, inner, out, with_bias):
     generator = torch.Generator().manual_seed(inner + out)

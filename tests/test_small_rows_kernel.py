@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specd import prepacked_linear, small_rows_kernel
 from specd.prepacked_linear import PrepackedLinear, prepack_linears
-from tests.cpu_products import builds_here, count_kernel_products, feed_side_by_side, needs_onednn
+from tests.cpu_products import INNER_OUT, builds_here, count_kernel_products, feed_side_by_side, needs_onednn
 from tests.tiny_models import build_llama
 
 VOCAB = 96
@@ -66,7 +66,7 @@ def test_without_a_compiler_it_says_none_and_products_stay_on_onednn(fresh_cache
 
 
 @builds_here
-@pytest.mark.parametrize("inner,out", [(64, 24), (576, 192), (1536, 40)])
+@pytest.mark.parametrize("inner,out", INNER_OUT)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_products_of_one_to_eight_rows_agree_with_torch(fresh_cache, inner, out, with_bias):
     kernel = small_rows_kernel.load()
@@ -85,13 +85,14 @@ def test_products_of_one_to_eight_rows_agree_with_torch(fresh_cache, inner, out,
 
 
 @builds_here
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fresh_cache):
+@pytest.mark.parametrize("inner", [128, 40])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fresh_cache, inner):
     kernel = small_rows_kernel.load()
     if kernel is None:
         pytest.skip("this CPU lacks AVX2 or FMA")
     generator = torch.Generator().manual_seed(7)
-    weight = torch.randn(40, 128, generator=generator)  # [out, in]
-    x = torch.randn(8, 128, generator=generator)  # [8, in]
+    weight = torch.randn(40, inner, generator=generator)  # [out, in]
+    x = torch.randn(8, inner, generator=generator)  # [8, in]
     alone = torch.cat([kernel.product(x[r : r + 1].contiguous(), weight, None) for r in range(8)])  # [8, out]
     for rows in range(2, 9):
         assert torch.equal(kernel.product(x[:rows].contiguous(), weight, None), alone[:rows]), f"{rows} rows"

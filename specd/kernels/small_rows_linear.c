@@ -20,6 +20,14 @@
 
 #define SPECD_AVX2 __attribute__((target("avx2,fma")))
 
+/* How far ahead of the weight being summed a product of PREFETCH_FROM_ROWS or more rows asks
+ * for the weights it will read next. From 3 rows on, the sums take long enough that the CPU's
+ * own prefetcher falls behind and the product waits on memory; asking 16 KB ahead (into L2)
+ * keeps the weight streaming at the rate a one-row product reads it (tools/measure_prepack.py).
+ * A one- or two-row product streams as fast without it. */
+#define PREFETCH_BYTES 16384
+#define PREFETCH_FROM_ROWS 3
+
 /* 1 when this CPU has the AVX2 and FMA instructions the product needs. */
 int specd_small_rows_supported(void) {
     __builtin_cpu_init();
@@ -43,44 +51,57 @@ SPECD_AVX2 static inline __attribute__((always_inline)) __m256 load_weights(cons
     return _mm256_loadu_ps((const float *)w + k);
 }
 
+/* acc[r] += weights wk * x[r, k:k+8], for each of the rows. */
+SPECD_AVX2 static inline __attribute__((always_inline)) void add_eight(__m256 *acc, const float *x, int rows, long in,
+                                                                      __m256 wk, long k) {
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + r * in + k), acc[r]);
+}
+
 /* x [rows, in], weight [out, in] (float32, or bfloat16 with bf16 set), bias [out] or NULL,
- * y [rows, out]; x, bias and y contiguous float32; 1 <= rows <= 8, in % 8 == 0. */
-SPECD_AVX2 static inline __attribute__((always_inline)) void rows_product(const float *x, long rows, const void *weight,
+ * y [rows, out]; x, bias and y contiguous float32; 1 <= rows <= 8, in % 8 == 0. Inlined with
+ * rows a constant (the switches below), so that the sums stay in registers; each row's sum runs
+ * over k in order, eight lanes at a time, however the loop is cut into cache lines. */
+SPECD_AVX2 static inline __attribute__((always_inline)) void rows_product(const float *x, int rows, const void *weight,
                                                                          int bf16, long out, long in, const float *bias,
                                                                          float *y) {
-    if (rows < 1 || rows > 8) return; /* one register of sums per row: the caller keeps to 8 */
-    size_t width = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const long width = bf16 ? (long)sizeof(uint16_t) : (long)sizeof(float);
+    const long line = 64 / width; /* weights per 64-byte cache line: 16 or 32, whole 8-wide loads */
+    const int prefetch = rows >= PREFETCH_FROM_ROWS;
     for (long j = 0; j < out; j++) {
-        const void *w = (const char *)weight + (size_t)j * (size_t)in * width;
+        const char *w = (const char *)weight + j * in * width;
         __m256 acc[8];
         for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
-        for (long k = 0; k < in; k += 8) {
-            __m256 wk = load_weights(w, k, bf16);
-            switch (rows) { /* falls through: rows-1 .. 0 */
-            case 8: acc[7] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 7 * in + k), acc[7]); /* fall through */
-            case 7: acc[6] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 6 * in + k), acc[6]); /* fall through */
-            case 6: acc[5] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 5 * in + k), acc[5]); /* fall through */
-            case 5: acc[4] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 4 * in + k), acc[4]); /* fall through */
-            case 4: acc[3] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 3 * in + k), acc[3]); /* fall through */
-            case 3: acc[2] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 2 * in + k), acc[2]); /* fall through */
-            case 2: acc[1] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + 1 * in + k), acc[1]); /* fall through */
-            default: acc[0] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + k), acc[0]);
-            }
+        long k = 0;
+        for (; k + line <= in; k += line) {
+            if (prefetch) _mm_prefetch(w + k * width + PREFETCH_BYTES, _MM_HINT_T1);
+            for (long lane = 0; lane < line; lane += 8) add_eight(acc, x, rows, in, load_weights(w, k + lane, bf16), k + lane);
         }
+        for (; k < in; k += 8) add_eight(acc, x, rows, in, load_weights(w, k, bf16), k);
         float b = bias ? bias[j] : 0.0f;
-        for (long r = 0; r < rows; r++) y[r * out + j] = sum_lanes(acc[r]) + b;
+        for (int r = 0; r < rows; r++) y[r * out + j] = sum_lanes(acc[r]) + b;
     }
 }
 
+#define ROWS_CASE(R, BF16) \
+    case R: rows_product(x, R, weight, BF16, out, in, bias, y); break;
+
 SPECD_AVX2 void specd_small_rows_linear(const float *x, long rows, const float *weight, long out, long in,
                                         const float *bias, float *y) {
-    rows_product(x, rows, weight, 0, out, in, bias, y);
+    switch (rows) { /* any other count: nothing (the caller keeps to 1..8) */
+        ROWS_CASE(1, 0) ROWS_CASE(2, 0) ROWS_CASE(3, 0) ROWS_CASE(4, 0)
+        ROWS_CASE(5, 0) ROWS_CASE(6, 0) ROWS_CASE(7, 0) ROWS_CASE(8, 0)
+        default: break;
+    }
 }
 
 /* The same product on a bfloat16 weight [out, in] (uint16 bit patterns). */
 SPECD_AVX2 void specd_small_rows_linear_bf16(const float *x, long rows, const uint16_t *weight, long out, long in,
                                              const float *bias, float *y) {
-    rows_product(x, rows, weight, 1, out, in, bias, y);
+    switch (rows) {
+        ROWS_CASE(1, 1) ROWS_CASE(2, 1) ROWS_CASE(3, 1) ROWS_CASE(4, 1)
+        ROWS_CASE(5, 1) ROWS_CASE(6, 1) ROWS_CASE(7, 1) ROWS_CASE(8, 1)
+        default: break;
+    }
 }
 
 #else
