@@ -32,11 +32,12 @@ class CoordinatorConfig:
     max_prompt_bytes: int = setting(
         1 << 20, "largest prompt a request may send, in UTF-8 bytes (prompt, or the chat messages together), checked before tokenising"
     )
-    # 12 on the default pair: side by side on one pair of workers B = 12 ran 13% and 16% ahead of
-    # B = 8 in two runs, B = 16 and 24 behind it (tools/ab_ssd.py, 2026-11-27), and it stayed
-    # ahead of 16 and 24 once the draft's step got cheaper (2026-11-28; docs/ssd.md, "Budget and
-    # K: fixed"). B = 8 had tied the adaptive controller it replaced.
-    ssd_budget: int = setting(12, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
+    # 6 on the default pair: once the few-row kernel streamed weights at the one-row rate for 3-8
+    # rows, a verify of K + 1 = 4 tokens took ~40 ms instead of ~55, and a tree of 12 branches
+    # was no longer built in that time (hit rate 0.29-0.46): side by side on one pair of workers
+    # B = 6 ran 43.7 tokens/s, 5 43.7, 8 40.9, 12 32-35 (tools/ab_ssd.py, 2026-11-28; docs/ssd.md,
+    # "Budget and K: fixed"). Before that change 12 led 8 by 13-16%: the budget follows the verify.
+    ssd_budget: int = setting(6, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
     ssd_fanout_r: float = setting(0.5, "ssd: exponent r of the power-law miss rate; fan-out F_k ~ P(k)^(1/(1+r))")
     # ngram measured ahead of jit on the demo pair (tools/measure_ssd.py, docs/ssd.md): 98 vs 88
     # tokens/s greedy, 47 vs 28 at temperature 1; a miss then costs no draft call at all.
