@@ -24,7 +24,8 @@
  * for the weights it will read next. From 3 rows on, the sums take long enough that the CPU's
  * own prefetcher falls behind and the product waits on memory; asking 16 KB ahead (into L2)
  * keeps the weight streaming at the rate a one-row product reads it (tools/measure_prepack.py).
- * A one- or two-row product streams as fast without it. */
+ * A one- or two-row product streams as fast without it (one row read 15-30% slower with it, in
+ * a C harness). Asking past a weight's end is harmless: a prefetch never faults. */
 #define PREFETCH_BYTES 16384
 #define PREFETCH_FROM_ROWS 3
 
