@@ -4,7 +4,10 @@ In ssd the draft builds the next round's tree while the target verifies; on a CP
 caches and memory bandwidth. This times the target's forward over K+1 tokens (one torch
 thread, after a prompt-sized context) in blocks that alternate between an idle machine and
 one where another process runs the draft's tree-step forwards (B tokens on its own context)
-in a loop, so that the machine's drift hits both alike.
+in a loop, so that the machine's drift hits both alike. Both models compute as the workers
+serve them on one thread (prepacked weights, specd's few-row kernel, the draft's bfloat16
+copies), each pinned to a CPU of its own as `specd up` pins them (--target-cpu, --draft-cpu;
+-1 leaves one unpinned). K and B default to the coordinator's defaults.
 
     python tools/measure_interference.py                       # the default pair
     python tools/measure_interference.py --blocks 10 --branches 16
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import pathlib
 import statistics
 import sys
@@ -22,26 +26,40 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from coordinator.config import CoordinatorConfig  # noqa: E402
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 
 
-def _load(path: str):
+def _pin(cpu: int) -> None:
+    """Run this process on `cpu` (a worker's CPU under `specd up`), where it is ours to take."""
+    if cpu >= 0 and cpu in os.sched_getaffinity(0):
+        os.sched_setaffinity(0, {cpu})
+
+
+def _load(path: str, halved: bool):
+    """The model as a worker serves it on one thread: prepacked, with the few-row kernel (and,
+    for a draft, `halved`: its bfloat16 copies)."""
     import torch
 
     from specd.models import load_causal_lm
+    from specd.prepacked_linear import prepack_linears
 
     torch.set_num_threads(1)
-    return load_causal_lm(path).model
+    model = load_causal_lm(path).model
+    prepack_linears(model, halved=halved)
+    return model
 
 
-def _draft_loop(path: str, branches: int, context: int, stop) -> None:
+def _draft_loop(path: str, branches: int, context: int, cpu: int, stop) -> None:
     """Draft forwards of `branches` tokens on a `context`-token cache until `stop` is set."""
     import torch
-    from transformers import DynamicCache
 
-    model = _load(path)
+    from specd.kv_cache import GrowingKVCache
+
+    _pin(cpu)
+    model = _load(path, halved=True)
     with torch.inference_mode():
-        cache = DynamicCache()
+        cache = GrowingKVCache()
         model(torch.randint(1, model.config.vocab_size, (1, context)), past_key_values=cache)  # [1, context]
         step = torch.randint(1, model.config.vocab_size, (1, branches))  # [1, B]
         while not stop.is_set():
@@ -66,19 +84,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k", type=int, default=CoordinatorConfig.num_speculative_tokens)
     parser.add_argument("--context", type=int, default=100, help="tokens cached before each timed forward")
-    parser.add_argument("--branches", type=int, default=12, help="tokens per draft forward (a tree step)")
+    parser.add_argument("--branches", type=int, default=CoordinatorConfig.ssd_budget, help="tokens per draft forward (a tree step)")
+    parser.add_argument("--target-cpu", type=int, default=0, help="CPU of the timed target (-1: not pinned)")
+    parser.add_argument("--draft-cpu", type=int, default=1, help="CPU of the draft beside it (-1: not pinned)")
     parser.add_argument("--blocks", type=int, default=6, help="blocks of each condition, alternating")
     parser.add_argument("--forwards", type=int, default=15, help="timed forwards per block")
     args = parser.parse_args()
 
     import torch
-    from transformers import DynamicCache
 
-    model = _load(args.target)
+    from specd.kv_cache import GrowingKVCache
+
+    _pin(args.target_cpu)
+    model = _load(args.target, halved=False)
     vocab = model.config.vocab_size
-    cache = DynamicCache()
+    cache = GrowingKVCache()
     with torch.inference_mode():
         model(torch.randint(1, vocab, (1, args.context)), past_key_values=cache)  # [1, context]
     block = torch.randint(1, vocab, (1, args.k + 1))  # [1, K+1]
@@ -90,7 +112,7 @@ def main() -> None:
         stop = context.Event()
         worker = None
         if busy:
-            worker = context.Process(target=_draft_loop, args=(args.draft, args.branches, args.context, stop))
+            worker = context.Process(target=_draft_loop, args=(args.draft, args.branches, args.context, args.draft_cpu, stop))
             worker.start()
             time.sleep(3.0)  # the draft loads and reaches its loop
         times["beside the draft" if busy else "alone"] += _time_forwards(model, cache, block, args.forwards)
