@@ -24,8 +24,8 @@
  * for the weights it will read next. From 3 rows on, the sums take long enough that the CPU's
  * own prefetcher falls behind and the product waits on memory; asking 16 KB ahead (into L2)
  * keeps the weight streaming at the rate a one-row product reads it (tools/measure_prepack.py).
- * A one- or two-row product streams as fast without it (one row read 15-30% slower with it, in
- * a C harness). Asking past a weight's end is harmless: a prefetch never faults. */
+ * A one- or two-row product streams as fast without it, and a one-row product read slower with
+ * it. Asking past a weight's end is harmless: a prefetch never faults. */
 #define PREFETCH_BYTES 16384
 #define PREFETCH_FROM_ROWS 3
 
@@ -60,7 +60,7 @@ SPECD_AVX2 static inline __attribute__((always_inline)) void add_eight(__m256 *a
 
 /* x [rows, in], weight [out, in] (float32, or bfloat16 with bf16 set), bias [out] or NULL,
  * y [rows, out]; x, bias and y contiguous float32; 1 <= rows <= 8, in % 8 == 0. Inlined with
- * rows a constant (the switches below), so that the sums stay in registers; each row's sum runs
+ * rows a constant (product_of_rows), so that the sums stay in registers; each row's sum runs
  * over k in order, eight lanes at a time, however the loop is cut into cache lines. */
 SPECD_AVX2 static inline __attribute__((always_inline)) void rows_product(const float *x, int rows, const void *weight,
                                                                          int bf16, long out, long in, const float *bias,
@@ -83,26 +83,33 @@ SPECD_AVX2 static inline __attribute__((always_inline)) void rows_product(const 
     }
 }
 
-#define ROWS_CASE(R, BF16) \
-    case R: rows_product(x, R, weight, BF16, out, in, bias, y); break;
+/* The product for rows 1..8, each count its own inlined copy (any other count: nothing; the
+ * caller keeps to 1..8); bf16 is a constant at both call sites below. */
+SPECD_AVX2 static inline __attribute__((always_inline)) void product_of_rows(const float *x, long rows, const void *weight,
+                                                                            int bf16, long out, long in,
+                                                                            const float *bias, float *y) {
+    switch (rows) {
+    case 1: rows_product(x, 1, weight, bf16, out, in, bias, y); break;
+    case 2: rows_product(x, 2, weight, bf16, out, in, bias, y); break;
+    case 3: rows_product(x, 3, weight, bf16, out, in, bias, y); break;
+    case 4: rows_product(x, 4, weight, bf16, out, in, bias, y); break;
+    case 5: rows_product(x, 5, weight, bf16, out, in, bias, y); break;
+    case 6: rows_product(x, 6, weight, bf16, out, in, bias, y); break;
+    case 7: rows_product(x, 7, weight, bf16, out, in, bias, y); break;
+    case 8: rows_product(x, 8, weight, bf16, out, in, bias, y); break;
+    default: break;
+    }
+}
 
 SPECD_AVX2 void specd_small_rows_linear(const float *x, long rows, const float *weight, long out, long in,
                                         const float *bias, float *y) {
-    switch (rows) { /* any other count: nothing (the caller keeps to 1..8) */
-        ROWS_CASE(1, 0) ROWS_CASE(2, 0) ROWS_CASE(3, 0) ROWS_CASE(4, 0)
-        ROWS_CASE(5, 0) ROWS_CASE(6, 0) ROWS_CASE(7, 0) ROWS_CASE(8, 0)
-        default: break;
-    }
+    product_of_rows(x, rows, weight, 0, out, in, bias, y);
 }
 
 /* The same product on a bfloat16 weight [out, in] (uint16 bit patterns). */
 SPECD_AVX2 void specd_small_rows_linear_bf16(const float *x, long rows, const uint16_t *weight, long out, long in,
                                              const float *bias, float *y) {
-    switch (rows) {
-        ROWS_CASE(1, 1) ROWS_CASE(2, 1) ROWS_CASE(3, 1) ROWS_CASE(4, 1)
-        ROWS_CASE(5, 1) ROWS_CASE(6, 1) ROWS_CASE(7, 1) ROWS_CASE(8, 1)
-        default: break;
-    }
+    product_of_rows(x, rows, weight, 1, out, in, bias, y);
 }
 
 #else
