@@ -192,14 +192,15 @@ def prepack_linears(model: nn.Module, rows_hint: int = ROWS_HINT, few_row_kernel
         if id(child) not in replacements:
             replacements[id(child)] = PrepackedLinear(child, rows_hint, kernel, halved)
         setattr(parent, name, replacements[id(child)])
+    products = [linear.product for linear in replacements.values()]
     for module in opted:
-        module.use_packed_product(PackedProduct(module.weight, None, rows_hint, kernel, halved))
-    weights = [linear.weight for linear in replacements.values()] + [module.weight for module in opted]
-    halves = kernel is not None and halved
-    extra_mb = sum(weight.numel() * weight.element_size() * (1.5 if halves else 1.0) for weight in weights) / 2**20
-    if kernel is None:
-        rows = ""
-    else:
+        products.append(PackedProduct(module.weight, None, rows_hint, kernel, halved))
+        module.use_packed_product(products[-1])
+    copies = [p.weight for p in products] + [p.half_weight for p in products if p.half_weight is not None]
+    extra_mb = sum(copy.numel() * copy.element_size() for copy in copies) / 2**20  # the packed copy is the weight's size
+    rows = ""
+    if kernel is not None:
+        halves = any(p.half_weight is not None for p in products)
         rows = f"; 1-{small_rows_kernel.MAX_ROWS} rows on specd's few-row kernel" + (", on bfloat16 copies" if halves else "")
-    log.info("prepacked %d weights for forwards of several tokens (+%.0f MiB)%s", len(weights), extra_mb, rows)
-    return len(weights)
+    log.info("prepacked %d weights for forwards of several tokens (+%.0f MiB)%s", len(products), extra_mb, rows)
+    return len(products)
