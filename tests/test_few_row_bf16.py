@@ -19,7 +19,6 @@ from tests.tiny_models import build_llama
 VOCAB = 96
 
 
-
 @pytest.fixture
 def kernel():
     loaded = small_rows_kernel.load_checked()

@@ -15,7 +15,6 @@ from tests.tiny_models import build_llama
 VOCAB = 96
 
 
-
 def _linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (nn.Linear, PrepackedLinear))]
 

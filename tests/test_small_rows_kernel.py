@@ -3,7 +3,6 @@ products of 1-8 rows on one thread it is meant for (and only those) inside a pre
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,6 @@ from tests.cpu_products import INNER_OUT, builds_here, count_kernel_products, fe
 from tests.tiny_models import build_llama
 
 VOCAB = 96
-
 
 
 @pytest.fixture
