@@ -30,10 +30,18 @@ from coordinator.config import CoordinatorConfig  # noqa: E402
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET  # noqa: E402
 
 
-def _pin(cpu: int) -> None:
-    """Run this process on `cpu` (a worker's CPU under `specd up`), where it is ours to take."""
-    if cpu >= 0 and cpu in os.sched_getaffinity(0):
+def _pin(cpu: int, allowed: set[int]) -> None:
+    """Run this process on `cpu` (a worker's CPU under `specd up`) if it is among the CPUs this
+    tool was started on. `allowed` is that set, taken before the timing process pinned itself:
+    the draft's process inherits the timing process's affinity, and checking `cpu` against that
+    would leave the draft on the target's CPU, timing two processes sharing one core."""
+    if cpu >= 0 and cpu in allowed:
         os.sched_setaffinity(0, {cpu})
+
+
+def _where() -> str:
+    """The CPUs this process may run on, for the report."""
+    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
 
 
 def _load(path: str, halved: bool):
@@ -50,13 +58,15 @@ def _load(path: str, halved: bool):
     return model
 
 
-def _draft_loop(path: str, branches: int, context: int, cpu: int, stop) -> None:
-    """Draft forwards of `branches` tokens on a `context`-token cache until `stop` is set."""
+def _draft_loop(path: str, branches: int, context: int, cpu: int, allowed: set[int], stop, report) -> None:
+    """Draft forwards of `branches` tokens on a `context`-token cache until `stop` is set;
+    the CPUs it ran on go to `report` (a queue)."""
     import torch
 
     from specd.kv_cache import GrowingKVCache
 
-    _pin(cpu)
+    _pin(cpu, allowed)
+    report.put(_where())
     model = _load(path, halved=True)
     with torch.inference_mode():
         cache = GrowingKVCache()
@@ -97,7 +107,8 @@ def main() -> None:
 
     from specd.kv_cache import GrowingKVCache
 
-    _pin(args.target_cpu)
+    allowed = os.sched_getaffinity(0)
+    _pin(args.target_cpu, allowed)
     model = _load(args.target, halved=False)
     vocab = model.config.vocab_size
     cache = GrowingKVCache()
@@ -106,20 +117,26 @@ def main() -> None:
     block = torch.randint(1, vocab, (1, args.k + 1))  # [1, K+1]
     _time_forwards(model, cache, block, 3)  # warm-up
     context = multiprocessing.get_context("spawn")
+    report = context.Queue()
     times: dict[str, list[float]] = {"alone": [], "beside the draft": []}
+    draft_cpus = set()
     for index in range(2 * args.blocks):
         busy = index % 2 == 1
         stop = context.Event()
         worker = None
         if busy:
-            worker = context.Process(target=_draft_loop, args=(args.draft, args.branches, args.context, args.draft_cpu, stop))
+            worker = context.Process(
+                target=_draft_loop, args=(args.draft, args.branches, args.context, args.draft_cpu, allowed, stop, report)
+            )
             worker.start()
+            draft_cpus.add(report.get(timeout=60))
             time.sleep(3.0)  # the draft loads and reaches its loop
         times["beside the draft" if busy else "alone"] += _time_forwards(model, cache, block, args.forwards)
         if worker is not None:
             stop.set()
             worker.join()
     alone = statistics.median(times["alone"])
+    print(f"target on CPUs {_where()}, draft on CPUs {' / '.join(sorted(draft_cpus))}")
     for name, values in times.items():
         print(f"{name:<17} median {statistics.median(values):6.2f} ms  (p25 {statistics.quantiles(values, n=4)[0]:.2f}, "
               f"p75 {statistics.quantiles(values, n=4)[2]:.2f}, {len(values)} forwards)")
