@@ -8,6 +8,7 @@ from draft_service.config import DraftConfig
 from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
 from specd.forward import warm_up
+from specd.grouped_attention import use_grouped_attention
 from specd.models import load_causal_lm, set_threads
 from specd.prepacked_linear import prepack_linears
 from specd.serving import RunningService
@@ -29,6 +30,8 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
         loaded.model.resize_token_embeddings(loaded.vocab_size)
     if config.prepack_weights:
         prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel, halved=config.few_row_bf16)  # after the resize: a tied output layer is packed as it will serve
+    if config.grouped_attention:
+        use_grouped_attention(loaded.model)
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return DraftModelRunner(loaded, sessions, config.max_support, config.copy_drafting())

@@ -33,12 +33,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from specd.grouped_attention import GROUPED_SDPA, grouped_sdpa_attention
 from specd.kv_cache import GrowingKVCache, croppable
 
 log = logging.getLogger(__name__)
 
 _PACKED = "specd_packed"
-_BASES = {"sdpa": sdpa_attention_forward, "eager": eager_attention_forward}
+_BASES = {"sdpa": sdpa_attention_forward, GROUPED_SDPA: grouped_sdpa_attention, "eager": eager_attention_forward}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ class _PackedBatch:
         self.bounds = list(zip([0] + ends[:-1], ends))  # each segment's slice of the packed sequence
         self.masks = [_mask(s, s.cache.get_seq_length()) for s in segments]
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current layer's, per segment
-        self.base_attention = "sdpa"  # the model's own attention, run per segment
+        self.base_attention = "sdpa"  # the model's own attention (a key of _BASES), run per segment
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T, head_dim], packed."""

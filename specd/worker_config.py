@@ -30,6 +30,11 @@ class WorkerConfig:
         "tree's step) with specd's own kernel, built with the machine's C compiler on first use, which reads each "
         "weight once for all rows (where it cannot build or run, torch's and oneDNN's products)",
     )
+    grouped_attention: bool = setting(
+        True,
+        "on a CPU, where a model has fewer key/value heads than query heads: attend with each group of query heads "
+        "on its shared key/value head instead of on copies of it (bitwise the same logits, checked at load)",
+    )
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")

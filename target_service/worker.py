@@ -6,6 +6,7 @@ from typing import Callable
 
 from specd.config import ConfigError
 from specd.forward import warm_up
+from specd.grouped_attention import use_grouped_attention
 from specd.models import load_causal_lm, set_threads
 from specd.prepacked_linear import prepack_linears
 from specd.serving import RunningService
@@ -27,6 +28,8 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
     if config.prepack_weights:
         prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel)
+    if config.grouped_attention:
+        use_grouped_attention(loaded.model)
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_service.tree_mask import TreeMasks
 from specd.kv_cache import GrowingKVCache
 from specd.lean_llama import LeanLlama, LeanOutput, lean_or_plain
-from tests.tiny_models import build_llama
+from tests.tiny_models import build_llama, tree_step_inputs
 
 VOCAB = 96
 
@@ -40,18 +39,7 @@ def test_prefill_verify_and_single_steps_match(model):
 
 
 def test_tree_steps_with_a_4d_mask_match(model):
-    prefix = torch.randint(1, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))  # [1, 10]
-    roots = torch.tensor([0, 2, 2, 3])  # branch b sees the prefix up to 6 + roots[b]
-    visible = 6 + roots  # [B]
-    masks = TreeMasks(model.config, visible, 10, 3, torch.float32, "cpu")
-    steps = [{"input_ids": prefix}]
-    for step in range(1, 4):
-        steps.append({
-            "input_ids": torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(step)),  # [1, B]
-            "attention_mask": masks.at(step),
-            "position_ids": (visible + step - 1).unsqueeze(0),  # [1, B]
-        })
-    _both(model, LeanLlama(model), steps)
+    _both(model, LeanLlama(model), tree_step_inputs(model.config, VOCAB))
 
 
 def test_lean_only_for_llama_and_only_when_the_probe_agrees(model, monkeypatch):

@@ -63,6 +63,25 @@ def build_llama(vocab_size: int, seed: int, hidden: int = 64, layers: int = 2, i
     return LlamaForCausalLM(config).eval()
 
 
+def tree_step_inputs(config, vocab_size: int) -> list[dict]:
+    """Keyword arguments of a draft tree's forwards: a 10-token prefix, then 3 steps of 4
+    branches under the 4-D masks the draft worker builds (branch b sees the prefix up to
+    6 + its root)."""
+    from draft_service.tree_mask import TreeMasks
+
+    prefix = torch.randint(1, vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))  # [1, 10]
+    visible = 6 + torch.tensor([0, 2, 2, 3])  # [B]
+    masks = TreeMasks(config, visible, 10, 3, torch.float32, "cpu")
+    steps = [{"input_ids": prefix}]
+    for step in range(1, 4):
+        steps.append({
+            "input_ids": torch.randint(1, vocab_size, (1, 4), generator=torch.Generator().manual_seed(step)),  # [1, B]
+            "attention_mask": masks.at(step),
+            "position_ids": (visible + step - 1).unsqueeze(0),  # [1, B]
+        })
+    return steps
+
+
 def perturbed_copy(model, noise: float, seed: int):
     """The same architecture and weights plus Gaussian noise of `noise` times each tensor's std."""
     import copy

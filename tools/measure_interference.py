@@ -46,15 +46,17 @@ def _where() -> str:
 
 def _load(path: str, halved: bool):
     """The model as a worker serves it on one thread: prepacked, with the few-row kernel (and,
-    for a draft, `halved`: its bfloat16 copies)."""
+    for a draft, `halved`: its bfloat16 copies), its query heads attending in groups."""
     import torch
 
+    from specd.grouped_attention import use_grouped_attention
     from specd.models import load_causal_lm
     from specd.prepacked_linear import prepack_linears
 
     torch.set_num_threads(1)
     model = load_causal_lm(path).model
     prepack_linears(model, halved=halved)
+    use_grouped_attention(model)
     return model
 
 
