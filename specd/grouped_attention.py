@@ -36,7 +36,8 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     as transformers' attention functions do. Every other case is transformers' own function.
     """
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups == 1 or attention_mask is None or query.shape[2] == 1 or kwargs.get("position_bias") is not None:
+    plain = groups == 1 or attention_mask is None or query.shape[2] == 1
+    if plain or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True

@@ -147,3 +147,13 @@ def test_workers_serve_grouped_attention_unless_turned_off(role, tmp_path):
         config_of = lambda r: r.loaded.model.config  # noqa: E731
     assert config_of(runner())._attn_implementation == GROUPED_SDPA
     assert config_of(runner(grouped_attention=False))._attn_implementation == "sdpa"
+
+
+def test_what_transformers_sdpa_refuses_is_still_refused():
+    model = build_llama(VOCAB, seed=12, hidden=32, layers=1)
+    attention = model.model.layers[0].self_attn
+    query = torch.randn(1, 4, 3, 8)  # [B, heads, L, D]
+    key = value = torch.randn(1, 2, 5, 8)  # [B, kv_heads, S, D]
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="softcap"):
+        grouped.grouped_sdpa_attention(attention, query, key, value, mask, softcap=30.0)
