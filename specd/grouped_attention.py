@@ -9,10 +9,10 @@ the groups itself (`enable_gqa`), with a mask too, and on a CPU computes bitwise
 computes on the repeated heads, without the copy.
 
 `use_grouped_attention(model)` switches a model whose attention is transformers' sdpa to
-this one when a probe (a prefill, then masked steps of several tokens) gives bitwise the
-logits the model's own sdpa gives; otherwise the model keeps its attention. On an
-accelerator the model keeps it too: there torch runs grouped heads under a mask on its slow
-math kernel.
+this one when a probe (a prefill, then a masked step of several tokens, then one token)
+gives bitwise the logits the model's own sdpa gives; otherwise the model keeps its
+attention. On an accelerator the model keeps it too: there torch runs grouped heads under a
+mask on its slow math kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from specd.forward import same_logits
 
 log = logging.getLogger(__name__)
 
@@ -73,24 +75,18 @@ def use_grouped_attention(model) -> bool:
     return agrees
 
 
-@torch.inference_mode()
 def _agrees(model) -> bool:
-    """A prefill, then steps of 3 and 4 tokens (masked) and 1, on fresh caches under each
-    attention: bitwise equal logits?"""
-    from specd.kv_cache import GrowingKVCache
-
+    """The model's forward under this attention against under transformers' sdpa (same_logits)."""
     config = model.config
-    generator = torch.Generator().manual_seed(0)
-    steps = [torch.randint(0, config.vocab_size, (1, n), generator=generator).to(model.device) for n in (6, 3, 4, 1)]  # [1, n]
-    caches = {GROUPED_SDPA: GrowingKVCache(), "sdpa": GrowingKVCache()}
+
+    def under(attention: str):
+        def forward(**inputs):
+            config._attn_implementation_internal = attention
+            return model(**inputs)
+
+        return forward
+
     try:
-        for ids in steps:
-            logits = {}
-            for attention, cache in caches.items():
-                config._attn_implementation_internal = attention
-                logits[attention] = model(input_ids=ids, past_key_values=cache, use_cache=True).logits  # [1, n, V]
-            if not torch.equal(logits[GROUPED_SDPA], logits["sdpa"]):
-                return False
-        return True
+        return same_logits(under("sdpa"), under(GROUPED_SDPA), config.vocab_size, model.device)
     finally:
         config._attn_implementation_internal = "sdpa"

@@ -18,6 +18,8 @@ import logging
 import torch
 from transformers.masking_utils import create_causal_mask
 
+from specd.forward import same_logits
+
 log = logging.getLogger(__name__)
 
 
@@ -89,25 +91,8 @@ def lean_or_plain(model):
     if not isinstance(model, LlamaForCausalLM):  # specd's draft (specd/draft_model.py) is one too
         return model
     lean = LeanLlama(model)
-    if not _agrees(model, lean):
+    if not same_logits(model, lean, model.config.vocab_size, model.device):
         log.warning("the lean Llama forward differs from %s's own here; using the model's forward", type(model).__name__)
         return model
     log.info("serving %s through the lean Llama forward", type(model).__name__)
     return lean
-
-
-@torch.inference_mode()
-def _agrees(model, lean: LeanLlama) -> bool:
-    """Prefill, a multi-token step and a one-token step on a fresh cache each: equal logits?"""
-    from specd.kv_cache import GrowingKVCache
-
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    steps = [torch.randint(0, vocab, (1, n), generator=generator).to(model.device) for n in (7, 3, 1)]  # [1, n] each
-    plain_cache, lean_cache = GrowingKVCache(), GrowingKVCache()
-    for ids in steps:
-        want = model(input_ids=ids, past_key_values=plain_cache, use_cache=True).logits  # [1, n, V]
-        got = lean(input_ids=ids, past_key_values=lean_cache).logits
-        if not torch.equal(want, got):
-            return False
-    return True
