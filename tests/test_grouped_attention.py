@@ -130,23 +130,19 @@ def test_a_torch_without_grouped_heads_under_a_mask_keeps_the_models_attention(m
 
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_workers_serve_grouped_attention_unless_turned_off(role, tmp_path):
+    from draft_service.config import DraftConfig
+    from draft_service.server import load_runner as load_draft
+    from target_service.config import TargetConfig
+    from target_service.worker import load_runner as load_target
     from tests.tiny_models import save_pair
 
     target_dir, draft_dir = save_pair(tmp_path)
     if role == "target":
-        from target_service.config import TargetConfig
-        from target_service.worker import load_runner
-
-        runner = lambda **kw: load_runner(TargetConfig(model=target_dir, **kw))  # noqa: E731
-        config_of = lambda r: r.loaded.model.config  # noqa: E731
+        runner = lambda **settings: load_target(TargetConfig(model=target_dir, **settings))  # noqa: E731
     else:
-        from draft_service.config import DraftConfig
-        from draft_service.server import load_runner
-
-        runner = lambda **kw: load_runner(DraftConfig(model=draft_dir, **kw))  # noqa: E731
-        config_of = lambda r: r.loaded.model.config  # noqa: E731
-    assert config_of(runner())._attn_implementation == GROUPED_SDPA
-    assert config_of(runner(grouped_attention=False))._attn_implementation == "sdpa"
+        runner = lambda **settings: load_draft(DraftConfig(model=draft_dir, **settings))  # noqa: E731
+    assert runner().loaded.model.config._attn_implementation == GROUPED_SDPA
+    assert runner(grouped_attention=False).loaded.model.config._attn_implementation == "sdpa"
 
 
 def test_what_transformers_sdpa_refuses_is_still_refused():
