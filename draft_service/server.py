@@ -7,10 +7,8 @@ import logging
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
-from specd.forward import warm_up
-from specd.grouped_attention import use_grouped_attention
+from specd.forward import prepare_forwards, warm_up
 from specd.models import load_causal_lm, set_threads
-from specd.prepacked_linear import prepack_linears
 from specd.serving import RunningService
 from specd.session_cache import SessionStore
 from specd.worker_server import start_worker
@@ -28,10 +26,10 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
         # Checkpoints pad their embeddings past the tokenizer: rows no text maps to. The draft's q
         # must not propose them (the target refuses ids outside its tokenizer), so drop them.
         loaded.model.resize_token_embeddings(loaded.vocab_size)
-    if config.prepack_weights:
-        prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel, halved=config.few_row_bf16)  # after the resize: a tied output layer is packed as it will serve
-    if config.grouped_attention:
-        use_grouped_attention(loaded.model)
+    # After the resize: a tied output layer is packed as it will serve.
+    prepare_forwards(
+        loaded.model, config.prepack_weights, config.few_row_kernel, config.few_row_bf16, config.grouped_attention
+    )
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return DraftModelRunner(loaded, sessions, config.max_support, config.copy_drafting())

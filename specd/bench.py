@@ -76,9 +76,8 @@ class HFAssisted:
     def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int):
         import transformers
 
-        from specd.grouped_attention import use_grouped_attention
+        from specd.forward import prepare_forwards
         from specd.models import load_causal_lm
-        from specd.prepacked_linear import prepack_linears
 
         transformers.logging.set_verbosity_error()  # generate() warns about its defaults on every call
         self.threads = threads  # generate() gets the threads the two workers have together
@@ -87,11 +86,9 @@ class HFAssisted:
         self.tokenizer, self.target = target.tokenizer, target.model
         self.draft = load_causal_lm(draft_path).model
         # generate() runs transformers' model as it comes; a verify is timed on the model as a
-        # target worker serves it (by default with its linear weights prepacked, its query heads
-        # attending in groups).
+        # target worker serves it by default.
         self.verify_target = load_causal_lm(target_path).model
-        prepack_linears(self.verify_target)
-        use_grouped_attention(self.verify_target)
+        prepare_forwards(self.verify_target)
 
     def add_prompt(self, run: ModeRun, prompt: str, max_new_tokens: int) -> None:
         """One greedy assisted generation of `prompt`, added to `run`."""

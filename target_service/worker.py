@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 from specd.config import ConfigError
-from specd.forward import warm_up
-from specd.grouped_attention import use_grouped_attention
+from specd.forward import prepare_forwards, warm_up
 from specd.models import load_causal_lm, set_threads
-from specd.prepacked_linear import prepack_linears
 from specd.serving import RunningService
 from specd.session_cache import SessionStore
 from specd.v1 import target_pb2, target_pb2_grpc
@@ -26,10 +24,7 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
         raise ConfigError("a tensor-parallel target starts through target_service.tensor_parallel.serve")
     set_threads(config.threads)
     loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
-    if config.prepack_weights:
-        prepack_linears(loaded.model, few_row_kernel=config.few_row_kernel)
-    if config.grouped_attention:
-        use_grouped_attention(loaded.model)
+    prepare_forwards(loaded.model, config.prepack_weights, config.few_row_kernel, grouped_attention=config.grouped_attention)
     warm_up(loaded.model)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)

@@ -49,14 +49,12 @@ def _load(path: str, halved: bool):
     for a draft, `halved`: its bfloat16 copies), its query heads attending in groups."""
     import torch
 
-    from specd.grouped_attention import use_grouped_attention
+    from specd.forward import prepare_forwards
     from specd.models import load_causal_lm
-    from specd.prepacked_linear import prepack_linears
 
     torch.set_num_threads(1)
     model = load_causal_lm(path).model
-    prepack_linears(model, halved=halved)
-    use_grouped_attention(model)
+    prepare_forwards(model, halved=halved)
     return model
 
 
