@@ -18,7 +18,7 @@ import logging
 import torch
 from transformers.masking_utils import create_causal_mask
 
-from specd.forward import same_logits
+from specd.forward_probe import same_logits
 
 log = logging.getLogger(__name__)
 
