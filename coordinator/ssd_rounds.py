@@ -148,7 +148,7 @@ class SsdRequest:
         )
         # Speculate only if another round may follow this one (k = 0 commits one token).
         speculation = None
-        if drafted.speculates and self.remaining > 1 and self._sizing.budget:
+        if drafted.speculates and self._tree_fits(gen.committed, draft.tokens):
             speculation = self._speculator.beside(index, gen.committed, draft.tokens)
         self._beside = speculation
         return Speculated(drafted, verify, speculation)
@@ -232,9 +232,14 @@ class SsdRequest:
         # as any round's: if another round may follow and the draft is up (it was a moment ago).
         speculation = self._speculator.adopt(committed, sent.draft.tokens, verify)
         early = speculation is not None
-        if not early and self.gen.max_len - len(committed) > 1 and self._draft.info is not None and self._sizing.budget:
+        if not early and self._draft.info is not None and self._tree_fits(committed, sent.draft.tokens):
             speculation = self._speculator.beside(index, committed, sent.draft.tokens)
         return _Launch(len(committed), sent, verify, speculation, early)
+
+    def _tree_fits(self, committed: list[int], verifying: list[int]) -> bool:
+        """Whether a Speculate beside this verify may build anything: branches in the budget, and
+        room for another round after it (k = 0 commits one token) with a draft of at least one."""
+        return bool(self._sizing.budget) and self._speculator.tree_tokens(len(committed), len(verifying)) > 0
 
     def result(self, index: int, round: Speculated, verified: Verified, lookup: Lookup) -> RoundResult:
         drafted, response = round.drafted, verified.response

@@ -81,16 +81,24 @@ class Speculator:
         self.ahead = ahead
         self._early: tuple[Speculation, int] | None = None  # and len(committed) the draft surely holds
 
+    def tree_tokens(self, committed: int, verifying: int) -> int:
+        """K' of a tree beside the verify of `verifying` tokens after `committed`: the sizing's K,
+        less near the request's end, where the deepest branch (all accepted, then K' drafted)
+        must still fit in max_len, and so in the draft's context; 0 or less: no tree fits."""
+        return min(self._sizing.k, self._gen.max_len - committed - verifying - 1)
+
     def beside(self, index: int, committed: list[int], verifying: list[int]) -> Speculation:
         """Start Speculate beside round `index`'s verify, of `verifying` after `committed`,
-        in the current span (the caller's: that round's)."""
+        in the current span (the caller's: that round's). The caller checks tree_tokens > 0."""
         gen, sizing, config = self._gen, self._sizing, self._config
         vocab = self._draft.info.vocab_size
         fanout = sizing.fanout(len(verifying), vocab, config.ssd_fanout_r)
+        num_tokens = self.tree_tokens(len(committed), len(verifying))
+        assert num_tokens > 0, (len(committed), len(verifying), gen.max_len)
         request = draft_pb2.SpeculateRequest(
             session_id=gen.session_id,
             draft_tokens=verifying,
-            num_tokens=sizing.k,
+            num_tokens=num_tokens,
             fanout=fanout,
             sampling=sampling_to_proto(gen.sampling),
             max_support=gen.max_support,
@@ -99,7 +107,7 @@ class Speculator:
         guesses = asyncio.get_running_loop().create_future()
         committed = list(committed)  # as it stands now: the caller's list grows when this round commits
         task = asyncio.ensure_future(self._draft.speculate(gen.draft_session, committed, request, guesses))
-        return Speculation(index, task, guesses, sum(fanout), sizing.k, time.perf_counter(), committed, list(verifying))
+        return Speculation(index, task, guesses, sum(fanout), num_tokens, time.perf_counter(), committed, list(verifying))
 
     async def send_ahead_once_built(self, speculation: Speculation, verify: asyncio.Future) -> None:
         """Wait for `verify` or the cache beside it, whichever comes first; a cache first goes
@@ -136,6 +144,8 @@ class Speculator:
         count = min(speculation.num_tokens, gen.max_len - len(committed) - 1)
         # As VerifyAhead.send: such an outcome gets a choice, and a round may follow it.
         if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted) or not self._sizing.budget:
+            return
+        if self.tree_tokens(len(committed), count) <= 0:
             return
         self._early = (self.beside(speculation.index + 1, committed, entry.tokens[:count]), len(speculation.committed))
 
