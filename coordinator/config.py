@@ -69,6 +69,11 @@ class CoordinatorConfig:
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
+    # The default target on one CPU thread caches a 4k-token prompt in ~18 s and an 8k one in
+    # ~55 s (README, "Long prompts"): in one call, the worker timeout would cut it off.
+    worker_call_tokens: int = setting(
+        1024, "most committed tokens one worker call carries; a longer prompt goes ahead as Prefill calls of this many (0: no limit)"
+    )
     draft_retry_s: float = setting(
         2.0, "a draft that cannot be reached is tried again this often; rounds go target-only until it answers its health check"
     )
@@ -119,6 +124,8 @@ class CoordinatorConfig:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.worker_call_tokens < 0:
+            raise ConfigError("--worker-call-tokens must be >= 0 (0: no limit)")
         check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
         check_pair(self.worker_tls_cert_file, self.worker_tls_key_file, "--worker-tls-cert-file", "--worker-tls-key-file")
         if self.draft_wait_verifies <= 0 or self.draft_wait_min_ms < 0:

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.speculation_cache import SpeculationCache
-from coordinator.workers import WorkerSession, call_metadata_source, synced_call, worker_channel
+from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, synced_call, worker_channel
 from specd.outcomes import guessed_outcomes
 from specd.sampling import SamplingSettings
 from specd.v1 import draft_pb2, draft_pb2_grpc
@@ -42,13 +42,16 @@ class DraftLink:
         retry_s: float,
         interceptors: list | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        call_tokens: int = 0,
     ):
+        """`call_tokens`: as TargetLink's."""
         self.address = address
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._channel = worker_channel(address, interceptors, credentials)
         self._metadata = call_metadata_source(interceptors)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
+        self._catch_up = CatchUp(self._prefill_call, call_tokens, timeout_s) if call_tokens else None
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.info: draft_pb2.DraftInfo | None = None
         self.expected_fingerprint = ""
@@ -144,6 +147,10 @@ class DraftLink:
             self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
             raise DraftFailed(self.last_error) from None
 
+    async def _prefill_call(self, session_id: str, tail, timeout_s: float) -> draft_pb2.DraftPrefillResponse:
+        request = draft_pb2.DraftPrefillRequest(session_id=session_id, committed=tail)
+        return await self._stub.Prefill(request, metadata=self._metadata(), timeout=timeout_s)
+
     async def propose(
         self,
         session: WorkerSession,
@@ -164,7 +171,7 @@ class DraftLink:
             )
             return await self._stub.Propose(request, metadata=self._metadata(), timeout=timeout_s)
 
-        return await self._call(lambda: synced_call(session, committed, call, time.monotonic() + self.timeout_s))
+        return await self._call(lambda: synced_call(session, committed, call, time.monotonic() + self.timeout_s, self._catch_up))
 
     async def speculate(
         self,
@@ -190,7 +197,7 @@ class DraftLink:
                     cache = message.cache
             return SpeculationCache.from_wire(cache)
 
-        return await self._call(lambda: synced_call(session, committed, call, time.monotonic() + self.timeout_s))
+        return await self._call(lambda: synced_call(session, committed, call, time.monotonic() + self.timeout_s, self._catch_up))
 
     async def end_session(self, session_id: str) -> None:
         """End a request's session for good: retire_id, since no request reuses an id, so that a

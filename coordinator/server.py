@@ -93,11 +93,18 @@ async def start_coordinator(
     provider = tracer_provider or tracer_provider_from_env(SERVICE_NAMES["coordinator"])
     if client_interceptors is None:
         client_interceptors = traced_client_interceptors(provider)
-    target = TargetLink(config.target_address, config.worker_timeout_s, client_interceptors, worker_credentials)
+    target = TargetLink(
+        config.target_address, config.worker_timeout_s, client_interceptors, worker_credentials, config.worker_call_tokens
+    )
     draft = None
     if config.draft_address:
         draft = DraftLink(
-            config.draft_address, config.worker_timeout_s, config.draft_retry_s, client_interceptors, worker_credentials
+            config.draft_address,
+            config.worker_timeout_s,
+            config.draft_retry_s,
+            client_interceptors,
+            worker_credentials,
+            config.worker_call_tokens,
         )
     servicer = CoordinatorServicer(config, target, draft)
     servicer.tracer = get_tracer(provider)

@@ -114,6 +114,15 @@ class Speculator:
         on to the target (send_ahead). The loop calls this while it waits for the verify."""
         if self._config.ssd_verify_ahead and not speculation.task.done():
             await asyncio.wait({speculation.task, verify}, return_when=asyncio.FIRST_COMPLETED)
+        caught_up = self._gen.target_session.caught_up
+        if self._config.ssd_verify_ahead and not caught_up.is_set() and not verify.done():
+            # The verify still sends a long prompt ahead of itself: a VerifyAfter sent now would
+            # spend its deadline waiting behind those calls. It goes once the verify itself is out.
+            waiting = asyncio.ensure_future(caught_up.wait())
+            try:
+                await asyncio.wait({waiting, verify}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
         self.send_ahead(speculation, verify)
 
     def send_ahead(self, speculation: Speculation, verify: asyncio.Future) -> None:

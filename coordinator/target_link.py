@@ -8,7 +8,7 @@ from typing import Iterable
 
 import grpc
 
-from coordinator.workers import WorkerSession, call_metadata_source, remaining_s, synced_call, worker_channel
+from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, remaining_s, synced_call, worker_channel
 from specd.sampling import SamplingSettings, SparseDist
 from specd.serving import StatusError, Unavailable
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -40,13 +40,21 @@ def verify_request(
 
 class TargetLink:
     def __init__(
-        self, address: str, timeout_s: float, interceptors: list | None = None, credentials: grpc.ChannelCredentials | None = None
+        self,
+        address: str,
+        timeout_s: float,
+        interceptors: list | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        call_tokens: int = 0,
     ):
+        """`call_tokens`: the most committed tokens one call sends; a longer tail goes ahead as
+        Prefill calls of that many (workers.CatchUp). 0: any number."""
         self.address = address
         self.timeout_s = timeout_s
         self._channel = worker_channel(address, interceptors, credentials)
         self._metadata = call_metadata_source(interceptors)
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
+        self._catch_up = CatchUp(self._prefill_call, call_tokens, timeout_s) if call_tokens else None
 
     def _error(self, exc: grpc.aio.AioRpcError) -> StatusError:
         """UNAVAILABLE when the target cannot be reached in time; its own status otherwise."""
@@ -62,13 +70,16 @@ class TargetLink:
     async def info(self, timeout_s: float | None = None) -> target_pb2.TargetInfo:
         return await self._stub.Info(target_pb2.TargetInfoRequest(), metadata=self._metadata(), timeout=timeout_s or self.timeout_s)
 
+    async def _prefill_call(self, session_id: str, tail: common_pb2.CommittedTokens, timeout_s: float):
+        request = target_pb2.TargetPrefillRequest(session_id=session_id, committed=tail)
+        return await self._stub.Prefill(request, metadata=self._metadata(), timeout=timeout_s)
+
     async def prefill(self, session: WorkerSession, committed: list[int]) -> target_pb2.TargetPrefillResponse:
         async def call(tail, timeout_s):
-            request = target_pb2.TargetPrefillRequest(session_id=session.session_id, committed=tail)
-            return await self._stub.Prefill(request, metadata=self._metadata(), timeout=timeout_s)
+            return await self._prefill_call(session.session_id, tail, timeout_s)
 
         try:
-            return await synced_call(session, committed, call, self.deadline())
+            return await synced_call(session, committed, call, self.deadline(), self._catch_up)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
 
@@ -91,7 +102,7 @@ class TargetLink:
             return await self._stub.Verify(request, metadata=self._metadata(), timeout=timeout_s)
 
         try:
-            return await synced_call(session, committed, call, deadline or self.deadline())
+            return await synced_call(session, committed, call, deadline or self.deadline(), self._catch_up)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
 

@@ -33,6 +33,11 @@ class WorkerSession:
     sent: int = 0
     call_ms: float | None = None  # wall time of the latest call answered through synced_call
     ended: bool = False  # the request is over and its EndSession sent: no call may open it again
+    # Clear while a CatchUp sends a long tail ahead of a call: what waits on that call waits long.
+    caught_up: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.caught_up.set()
 
     def committed_tail(self, committed: list[int]) -> common_pb2.CommittedTokens:
         return common_pb2.CommittedTokens(start=self.sent, token_ids=committed[self.sent :])
@@ -60,29 +65,78 @@ def remaining_s(deadline: float) -> float:
     return left
 
 
-async def synced_call(
-    session: WorkerSession,
-    committed: list[int],
-    call: Callable[[common_pb2.CommittedTokens, float], Awaitable],
-    deadline: float,
-):
+Call = Callable[[common_pb2.CommittedTokens, float], Awaitable]
+
+
+@dataclasses.dataclass(frozen=True)
+class CatchUp:
+    """How a long unsent tail (a prompt, a history resent) reaches a worker: as Prefill calls of
+    at most `most_tokens` tokens, each within `timeout_s` of its own, before the call that needs
+    it. One call carrying thousands of tokens could outlast any deadline fit for a round on a
+    slow worker, and could not be stopped half-way when its request ends. 0 tokens: one call."""
+
+    prefill: Callable[[str, common_pb2.CommittedTokens, float], Awaitable]  # (session_id, tail, timeout_s): a Prefill
+    most_tokens: int
+    timeout_s: float
+
+    async def run(self, session: WorkerSession, committed: list[int]) -> float:
+        """Prefill the unsent tail until at most `most_tokens` of it are left; the seconds it took."""
+        started = time.monotonic()
+        session.caught_up.clear()
+        try:
+            await self._prefill_chunks(session, committed)
+        finally:
+            session.caught_up.set()
+        return time.monotonic() - started
+
+    async def _prefill_chunks(self, session: WorkerSession, committed: list[int]) -> None:
+        resent = False
+        while self.most_tokens > 0 and len(committed) - session.sent > self.most_tokens:
+            _check_not_ended(session)
+            chunk = committed[: session.sent + self.most_tokens]
+            try:
+                response = await self.prefill(session.session_id, session.committed_tail(chunk), self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RESYNC_CODES or resent:
+                    raise
+                _lost(session, exc)
+                resent = True
+                continue
+            # A prefill caches all but its last token: the next chunk starts from what it cached.
+            before = session.sent
+            session.answered(chunk, response.cached_tokens)
+            if session.sent <= before:  # nothing cached: the call that follows sends the rest
+                break
+
+
+async def synced_call(session: WorkerSession, committed: list[int], call: Call, deadline: float, catch_up: CatchUp | None = None):
     """Send the unsent tail; resend everything once if the worker lost the session. Both sends
-    share `deadline`: `call(tail, timeout_s)` gets the seconds left. Nothing is (re)sent once the
-    request has ended: a resend from 0 after its EndSession would reopen the session on the worker."""
+    share `deadline`: `call(tail, timeout_s)` gets the seconds left, not counting the time a
+    `catch_up` took to send a long tail ahead of it. Nothing is (re)sent once the request has
+    ended: a resend from 0 after its EndSession would reopen the session on the worker."""
     started = time.monotonic()
     _check_not_ended(session)
+    if catch_up is not None:
+        deadline += await catch_up.run(session, committed)
     try:
         response = await call(session.committed_tail(committed), remaining_s(deadline))
     except grpc.aio.AioRpcError as exc:
         if exc.code() not in _RESYNC_CODES:
             raise
         _check_not_ended(session)
-        log.info("session %s lost on a worker (%s); resending its history", session.session_id, exc.code().name)
-        session.sent = 0
+        _lost(session, exc)
+        if catch_up is not None:
+            deadline += await catch_up.run(session, committed)
         response = await call(session.committed_tail(committed), remaining_s(deadline))
     session.answered(committed, getattr(response, "cached_tokens", None))
     session.call_ms = (time.monotonic() - started) * 1000.0
     return response
+
+
+def _lost(session: WorkerSession, exc: grpc.aio.AioRpcError) -> None:
+    """The worker lost the session: the next call sends the whole history."""
+    log.info("session %s lost on a worker (%s); resending its history", session.session_id, exc.code().name)
+    session.sent = 0
 
 
 def _check_not_ended(session: WorkerSession) -> None:

@@ -1,15 +1,29 @@
-"""A request near the context's end: the trees beside its last verifies fit in what is left.
+"""Long prompts: sent to the workers in bounded calls, and a request near the context's end.
 
-A Speculate whose deepest branch would pass the context is refused by the draft, and the
-coordinator would take the draft for down. The tree drafts only as deep as there is room for.
+A prompt of thousands of tokens on a CPU target takes longer to cache than the worker timeout
+allows one call (an 8k prompt of the default target: ~55 s on one thread). The coordinator sends
+a tail longer than `--worker-call-tokens` ahead as Prefill calls of that many tokens, each within
+its own timeout, so the request is served, and a request that ends mid-prompt stops the prefill
+at the next call. Near the context's end, trees must fit in what is left of it.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
+import grpc
 import pytest
 
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
+from tests.stack import wait_for
+
+CALL_TOKENS = 24
+PROMPT_TOKENS = 150
+SECONDS_PER_TOKEN = 0.01  # the slow target's cost of each committed token a call feeds it
+WORKER_TIMEOUT_S = 1.0  # 150 tokens in one call: 1.5 s; a call of 24: 0.24 s
+MODES = {"off": pb.SPECULATION_MODE_OFF, "sd": pb.SPECULATION_MODE_SD, "ssd": pb.SPECULATION_MODE_SSD}
 
 
 def _prompt(count: int) -> list[int]:
@@ -20,6 +34,98 @@ def _prompt(count: int) -> list[int]:
 def target_model(tiny_pair):
     model, _ = load_reference(tiny_pair[0])
     return model
+
+
+class CallLog:
+    """The committed tokens each worker call fed: the target's batches, the draft's three calls."""
+
+    def __init__(self, target_runner, draft_runner=None):
+        self.target: list[tuple[str, int]] = []  # (call type, tokens)
+        self.draft: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        run_batch = target_runner.run_batch
+
+        def logged_batch(calls):
+            with self._lock:
+                self.target.extend((type(call).__name__, len(call.tokens)) for call in calls)
+            return run_batch(calls)
+
+        target_runner.run_batch = logged_batch
+        if draft_runner is not None:
+            for name in ("prefill", "propose_job", "speculate_job"):
+                setattr(draft_runner, name, self._draft_logged(name, getattr(draft_runner, name)))
+
+    def _draft_logged(self, name, method):
+        def logged(session_id, start, tokens, *args, **kwargs):
+            with self._lock:
+                self.draft.append((name, len(tokens)))
+            return method(session_id, start, tokens, *args, **kwargs)
+
+        return logged
+
+
+def slow_target(runner, seconds_per_token: float) -> None:
+    """A target that takes `seconds_per_token` for each committed token a call feeds it, as a
+    large one on a CPU does with a long prompt."""
+    run_batch = runner.run_batch
+
+    def slow(calls):
+        time.sleep(seconds_per_token * sum(len(call.tokens) for call in calls))
+        return run_batch(calls)
+
+    runner.run_batch = slow
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_long_prompt_goes_in_calls_of_at_most_worker_call_tokens_with_the_same_output(tiny_pair, target_model, mode):
+    prompt = _prompt(PROMPT_TOKENS)
+    want = greedy_reference(target_model, prompt, 12)
+    with running_stack(*tiny_pair, coordinator_overrides={"worker_call_tokens": CALL_TOKENS}) as stack:
+        calls = CallLog(stack.target.servicer.runner, stack.draft.servicer.runner)
+        response = stack.stub().Generate(request(prompt, mode=MODES[mode], max_new_tokens=12), timeout=CALL_TIMEOUT_S)
+    assert_greedy_equal_or_near_tie(target_model, prompt, list(response.token_ids), want)
+    assert response.stats.fallback_reason == ""
+    prefills = [tokens for kind, tokens in calls.target if kind == "PrefillCall"]
+    # 150 tokens, 23 cached a call (a prefill keeps its last token back): 6 calls leave <= 24.
+    assert len(prefills) >= PROMPT_TOKENS // CALL_TOKENS
+    assert max(tokens for _, tokens in calls.target) <= CALL_TOKENS, calls.target
+    if mode != "off":
+        assert [kind for kind, _ in calls.draft].count("prefill") >= PROMPT_TOKENS // CALL_TOKENS
+        assert max(tokens for _, tokens in calls.draft) <= CALL_TOKENS, calls.draft
+
+
+def test_a_prompt_too_long_for_one_call_within_the_worker_timeout_is_served_in_calls(tiny_pair, target_model):
+    prompt = _prompt(PROMPT_TOKENS)
+    want = greedy_reference(target_model, prompt, 8)
+    overrides = {"worker_timeout_s": WORKER_TIMEOUT_S}
+    with running_stack(*tiny_pair, coordinator_overrides={**overrides, "worker_call_tokens": 0}) as stack:
+        slow_target(stack.target.servicer.runner, SECONDS_PER_TOKEN)
+        with pytest.raises(grpc.RpcError) as failed:  # the whole prompt in one call outlasts its deadline
+            stack.stub().Generate(request(prompt, mode=pb.SPECULATION_MODE_OFF, max_new_tokens=8), timeout=CALL_TIMEOUT_S)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    with running_stack(*tiny_pair, coordinator_overrides={**overrides, "worker_call_tokens": CALL_TOKENS}) as stack:
+        slow_target(stack.target.servicer.runner, SECONDS_PER_TOKEN)
+        for mode in (pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_SSD):
+            response = stack.stub().Generate(request(prompt, mode=mode, max_new_tokens=8), timeout=CALL_TIMEOUT_S)
+            assert_greedy_equal_or_near_tie(target_model, prompt, list(response.token_ids), want)
+
+
+def test_a_request_that_ends_mid_prompt_stops_its_prefill_at_the_next_call(tiny_pair):
+    prompt = _prompt(400)  # 17 calls of 24 tokens, 0.24 s each on the slow target
+    with running_stack(*tiny_pair, coordinator_overrides={"worker_call_tokens": CALL_TOKENS}) as stack:
+        runner = stack.target.servicer.runner
+        slow_target(runner, SECONDS_PER_TOKEN)
+        calls = CallLog(runner)
+        with pytest.raises(grpc.RpcError) as ended:
+            stack.stub().Generate(request(prompt, mode=pb.SPECULATION_MODE_OFF, max_new_tokens=8), timeout=1.0)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_for(lambda: len(runner.sessions) == 0, 5.0)  # the request's session is ended
+        sent = len(calls.target)
+        time.sleep(1.0)  # the rest of the prompt would be 3 more seconds of calls
+        assert len(calls.target) == sent
+        assert sent < 400 // CALL_TOKENS
+        response = stack.stub().Generate(request(_prompt(10), mode=pb.SPECULATION_MODE_OFF, max_new_tokens=4), timeout=5.0)
+        assert len(response.token_ids) == 4
 
 
 @pytest.mark.parametrize("left", [2, 3, 5, 8])
