@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specd.grouped_attention import GROUPED_SDPA, grouped_sdpa_attention
 from specd.kv_cache import GrowingKVCache, croppable
+from specd.prepacked_linear import float32_products
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,9 @@ def enable_packing(model) -> Packer | None:
     if base not in _BASES or not _full_attention_only(config):
         return None
     packer = Packer(model, base)
-    if not _agrees(model, packer):
+    with float32_products(model):  # a draft's bfloat16 copies round 1-8-row products only
+        agrees = _agrees(model, packer)
+    if not agrees:
         log.warning("packed forwards do not fit %s here; its sessions forward one at a time", type(model).__name__)
         return None
     return packer

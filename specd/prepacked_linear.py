@@ -24,6 +24,7 @@ or disagree, the model is left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -97,6 +98,23 @@ class PackedProduct:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()  # [rows, in]
         return _packed_product(flat, self.packed_weight, self.bias).reshape(*x.shape[:-1], self.out_features)
+
+
+@contextlib.contextmanager
+def float32_products(model: nn.Module):
+    """Every prepacked product of `model` reads its float32 weight while this lasts. A bfloat16
+    copy serves products of 1-8 rows only, so a forward's results depend on how many rows it
+    has: a probe that compares forwards of different sizes (specd.packed_forward's) checks its
+    own mechanism on the float32 weights, not that rounding."""
+    products = [value for module in model.modules() for value in vars(module).values() if isinstance(value, PackedProduct)]
+    halves = [product.half_weight for product in products]
+    for product in products:
+        product.half_weight = None
+    try:
+        yield
+    finally:
+        for product, half in zip(products, halves):
+            product.half_weight = half
 
 
 class PrepackedLinear(nn.Module):

@@ -129,6 +129,10 @@ def test_the_draft_worker_halves_unless_told_not_to_and_the_target_worker_never(
     assert draft_products and target_products
     assert all((p.half_weight is not None) == few_row_bf16 for p in draft_products)
     assert all(p.half_weight is None for p in target_products)
+    # Packed forwards of several sessions still serve the halved draft: its packing probe checks
+    # the mechanism on float32 products, not the bfloat16 rounding of 1-8-row ones.
+    assert draft_runner.packer is not None
+    assert all((p.half_weight is not None) == few_row_bf16 for p in draft_products)  # and its copies are back
 
 
 @builds_here
