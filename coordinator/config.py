@@ -86,6 +86,11 @@ class CoordinatorConfig:
     )
     draft_wait_min_ms: float = setting(1000.0, "the least a round waits for the draft before it takes its backup")
     startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
+    # A request runs for seconds to minutes; a worker call for milliseconds, so the workers keep
+    # their 5 s. Kubernetes allows 45 s (deploy/k8s/base): the 5 s preStop, this, a last span flush.
+    shutdown_grace_s: float = setting(
+        25.0, "on SIGTERM, new requests are refused at once and those running get this long to finish"
+    )
     tls_cert_file: str = setting("", "PEM certificate (chain) the gRPC server presents: serve TLS (with --tls-key-file)")
     tls_key_file: str = setting("", "PEM private key of --tls-cert-file")
     tls_client_ca_file: str = setting("", "PEM CA: require client certificates it signed (mTLS; needs --tls-cert-file)")
@@ -124,6 +129,8 @@ class CoordinatorConfig:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("--shutdown-grace-s must be >= 0")
         if self.worker_call_tokens < 0:
             raise ConfigError("--worker-call-tokens must be >= 0 (0: no limit)")
         check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

@@ -140,4 +140,4 @@ async def start_coordinator(
 async def serve(config: CoordinatorConfig) -> None:
     service = await start_coordinator(config)
     log.info("coordinator started on %s:%d", config.host, service.port)
-    await service.serve_until_signal()
+    await service.serve_until_signal(config.shutdown_grace_s)

@@ -149,8 +149,9 @@ def create_server(
     return server, bound, health_state
 
 
-async def wait_for_termination(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+async def wait_for_termination(server: grpc.aio.Server, grace_s: float, health: HealthState) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully: NOT_SERVING and new calls refused at
+    once, calls already running given `grace_s` to finish."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,7 +160,9 @@ async def wait_for_termination(server: grpc.aio.Server, grace_s: float = 5.0) ->
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
-        log.info("stopping")
+        log.info("stopping: calls already running have %.0f s to finish", grace_s)
+        await health.set(NOT_SERVING)
+        # Before the waiter is cancelled: cancelling it cancels the future the stop waits on.
         await server.stop(grace_s)
     waiter.cancel()
     stopper.cancel()
@@ -201,9 +204,11 @@ class RunningService:
             close()
         self.closers.clear()
 
-    async def serve_until_signal(self) -> None:
-        """Serve until a signal; a model that fails to load stops the server and raises."""
-        stopper = asyncio.ensure_future(wait_for_termination(self.server))
+    async def serve_until_signal(self, grace_s: float = 5.0) -> None:
+        """Serve until a signal, then stop: NOT_SERVING and new calls refused at once, calls
+        already running given `grace_s` to finish. A model that fails to load stops the server
+        and raises."""
+        stopper = asyncio.ensure_future(wait_for_termination(self.server, grace_s, self.health))
         done, _ = await asyncio.wait([stopper, self.ready], return_when=asyncio.FIRST_COMPLETED)
         if self.ready in done and self.ready.exception() is not None:
             stopper.cancel()
