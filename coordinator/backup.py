@@ -34,6 +34,9 @@ async def draft_after_miss(gen: Generation, draft: DraftLink, config: Coordinato
         guess = prompt_lookup(gen.committed, num_draft)
         if guess:
             return BackupDraft(guess, one_hot(guess), "ngram")
+    num_draft = min(num_draft, draft.room(len(gen.committed)))
+    if num_draft <= 0:  # the draft's context is full: the round verifies no draft
+        return BackupDraft([], [], "jit")
     vocab = draft.info.vocab_size
     params = saguaro(config, gen, sizing.fanout(num_draft, vocab, config.ssd_fanout_r)[:num_draft])
     proposal = draft.propose(gen.draft_session, gen.committed, num_draft, gen.sampling, gen.max_support, params)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import sys
 import time
 from typing import Awaitable, Callable
 
@@ -80,6 +81,14 @@ class DraftLink:
             log.info("draft worker at %s answers its health check: speculating again", self.address)
         self.info = info
         return True
+
+    def room(self, committed: int) -> int:
+        """Tokens the draft's context still holds after `committed` ones (a call past its
+        context length is refused); unbounded while its Info is not known."""
+        info = self.info
+        if info is None or not info.context_length:
+            return sys.maxsize
+        return info.context_length - committed
 
     def mark_down(self, reason: str) -> None:
         """Stop asking the draft until its health check answers; the probe starts if it has not."""

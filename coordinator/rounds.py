@@ -121,6 +121,8 @@ async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None
 async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None, index: int, remaining: int) -> RoundResult:
     asked = gen.num_speculative_tokens
     num_draft = min(gen.payoff.k(asked) if gen.payoff is not None else gen.load.k(asked), remaining - 1)
+    if draft is not None:  # a draft whose context is shorter than the target's stops drafting at its end
+        num_draft = min(num_draft, draft.room(len(gen.committed)))
     drafted = await _draft_beside_prefill(gen, draft, num_draft)
     draft_tokens, draft_dists = drafted.tokens, drafted.dists
     verify_started = time.perf_counter()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import time
 
 from coordinator.config import CoordinatorConfig
@@ -83,9 +84,11 @@ class Speculator:
 
     def tree_tokens(self, committed: int, verifying: int) -> int:
         """K' of a tree beside the verify of `verifying` tokens after `committed`: the sizing's K,
-        less near the request's end, where the deepest branch (all accepted, then K' drafted)
-        must still fit in max_len, and so in the draft's context; 0 or less: no tree fits."""
-        return min(self._sizing.k, self._gen.max_len - committed - verifying - 1)
+        less near the end of the draft's context, which the deepest branch (all accepted, its
+        t*, then K' drafted) must fit in; 0 or less: no tree fits. (Past max_len a branch drafts
+        what no round will verify, as sd's Propose for that outcome would: not cut here.)"""
+        room = self._draft.room(committed + verifying + 1) if self._draft is not None else sys.maxsize
+        return min(self._sizing.k, room)
 
     def beside(self, index: int, committed: list[int], verifying: list[int]) -> Speculation:
         """Start Speculate beside round `index`'s verify, of `verifying` after `committed`,

@@ -45,6 +45,9 @@ class _ProposingDraft:
         self.info = types.SimpleNamespace(vocab_size=32)
         self.proposals = 0
 
+    def room(self, committed: int) -> int:
+        return 512 - committed  # a context of 512 tokens, as DraftLink.room reads the draft's Info
+
     async def propose(self, session, committed, num_tokens, sampling, max_support, saguaro=None):
         self.proposals += 1
         tokens = list(range(20, 20 + num_tokens))

@@ -9,6 +9,8 @@ at the next call. Near the context's end, trees must fit in what is left of it.
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 
@@ -23,6 +25,7 @@ CALL_TOKENS = 24
 PROMPT_TOKENS = 150
 SECONDS_PER_TOKEN = 0.01  # the slow target's cost of each committed token a call feeds it
 WORKER_TIMEOUT_S = 1.0  # 150 tokens in one call: 1.5 s; a call of 24: 0.24 s
+SHORT_DRAFT_CONTEXT = 128
 MODES = {"off": pb.SPECULATION_MODE_OFF, "sd": pb.SPECULATION_MODE_SD, "ssd": pb.SPECULATION_MODE_SSD}
 
 
@@ -144,3 +147,28 @@ def test_ssd_near_the_context_end_builds_trees_that_fit_and_keeps_the_draft(tiny
     assert response.finish_reason == pb.FINISH_REASON_LENGTH
     assert response.stats.fallback_reason == ""
     assert response.stats.mode == pb.SPECULATION_MODE_SSD
+
+
+@pytest.fixture(scope="module")
+def short_context_draft(tiny_pair, tmp_path_factory):
+    """The tiny draft, its context cut to 128 positions: shorter than the target's 512."""
+    folder = tmp_path_factory.mktemp("short_draft")
+    shutil.copytree(tiny_pair[1], folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = SHORT_DRAFT_CONTEXT
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end_and_is_not_taken_for_down(
+    tiny_pair, target_model, short_context_draft, mode
+):
+    prompt = _prompt(SHORT_DRAFT_CONTEXT - 30)  # the request runs 30 tokens past the draft's context
+    want = greedy_reference(target_model, prompt, 60)
+    with running_stack(tiny_pair[0], short_context_draft) as stack:
+        response = stack.stub().Generate(request(prompt, mode=MODES[mode], k=4, max_new_tokens=60), timeout=CALL_TIMEOUT_S)
+        assert stack.coordinator.servicer.draft.usable()
+    assert_greedy_equal_or_near_tie(target_model, prompt, list(response.token_ids), want)
+    assert response.stats.fallback_reason == ""
+    assert response.stats.draft_tokens > 0  # it drafted while the draft's context had room
