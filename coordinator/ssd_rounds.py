@@ -237,9 +237,14 @@ class SsdRequest:
         return _Launch(len(committed), sent, verify, speculation, early)
 
     def _tree_fits(self, committed: list[int], verifying: list[int]) -> bool:
-        """Whether a Speculate beside this verify may build anything: branches in the budget, and
-        room for another round after it (k = 0 commits one token) with a draft of at least one."""
-        return bool(self._sizing.budget) and self._speculator.tree_tokens(len(committed), len(verifying)) > 0
+        """Whether a Speculate beside this verify may be of use: branches in the budget, another
+        round may follow it (k = 0 commits one token), and the draft's context has room for a
+        branch to draft at least one token."""
+        return (
+            bool(self._sizing.budget)
+            and self.gen.max_len - len(committed) > 1
+            and self._speculator.tree_tokens(len(committed), len(verifying)) > 0
+        )
 
     def result(self, index: int, round: Speculated, verified: Verified, lookup: Lookup) -> RoundResult:
         drafted, response = round.drafted, verified.response
