@@ -1,10 +1,12 @@
-"""Long prompts: sent to the workers in bounded calls, and a request near the context's end.
+"""Long sequences: prompts sent to the workers in bounded calls, and requests that reach the end
+of the draft's context.
 
 A prompt of thousands of tokens on a CPU target takes longer to cache than the worker timeout
 allows one call (an 8k prompt of the default target: ~55 s on one thread). The coordinator sends
 a tail longer than `--worker-call-tokens` ahead as Prefill calls of that many tokens, each within
 its own timeout, so the request is served, and a request that ends mid-prompt stops the prefill
-at the next call. Near the context's end, trees must fit in what is left of it.
+at the next call. Near the end of the draft's context (the target's, or a shorter one of its
+own), the draft is asked for nothing it would refuse: a refusal would take it for down.
 """
 
 from __future__ import annotations
