@@ -22,6 +22,7 @@ import pytest
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
 from tests.stack import wait_for
+from tests.tracing import in_memory_tracing
 
 CALL_TOKENS = 24
 PROMPT_TOKENS = 150
@@ -174,3 +175,17 @@ def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end_and_is_not_tak
     assert_greedy_equal_or_near_tie(target_model, prompt, list(response.token_ids), want)
     assert response.stats.fallback_reason == ""
     assert response.stats.draft_tokens > 0  # it drafted while the draft's context had room
+
+
+def test_a_long_prompts_prefill_calls_are_spans_of_ssd_round_0(tiny_pair):
+    providers, exporters = in_memory_tracing()
+    with running_stack(*tiny_pair, tracer_providers=providers, coordinator_overrides={"worker_call_tokens": CALL_TOKENS}) as stack:
+        stack.stub().Generate(request(_prompt(PROMPT_TOKENS), mode=pb.SPECULATION_MODE_SSD, max_new_tokens=4), timeout=CALL_TIMEOUT_S)
+        providers["coordinator"].force_flush()
+        spans = exporters["coordinator"].get_finished_spans()
+    by_id = {span.context.span_id: span for span in spans}
+    (round_0,) = [s for s in spans if s.name == "spec_round" and s.attributes["specd.round.index"] == 0]
+    for worker in ("TargetWorker", "DraftWorker"):
+        prefills = [s for s in spans if s.name == f"/specd.v1.{worker}/Prefill"]
+        assert len(prefills) >= PROMPT_TOKENS // CALL_TOKENS, worker
+        assert all(by_id[s.parent.span_id] is round_0 for s in prefills), worker
