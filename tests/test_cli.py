@@ -18,9 +18,9 @@ GENERATE_KEYS = {"text", "token_ids", "finish_reason", "usage", "stats", "trace_
 STATS_KEYS = {"mode", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length"}
 
 
-def specd(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+def specd(*args: str, timeout: float = 120.0, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "specd", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "specd", *args], capture_output=True, text=True, timeout=timeout, input=stdin
     )
 
 
@@ -45,6 +45,15 @@ def test_generate_json_prints_exactly_one_object(stack):
     assert body["usage"]["completion_tokens"] == 12
     rounds = body["stats"]["rounds"]
     assert body["stats"]["mean_acceptance_length"] == pytest.approx(1 + body["stats"]["accepted_tokens"] / rounds)
+
+
+def test_generate_reads_the_prompt_from_stdin_given_a_dash(stack):
+    prompt = "def add(a, b):\n" * 40  # as a file piped in
+    args = ("generate", "--address", stack.address, "--json", "--max-new-tokens", "4", "--temperature", "0", "--mode", "off")
+    from_stdin = json.loads(specd(*args, "-", stdin=prompt).stdout)
+    from_argument = json.loads(specd(*args, "--", prompt).stdout)
+    assert from_stdin["usage"]["prompt_tokens"] == from_argument["usage"]["prompt_tokens"] > 40
+    assert from_stdin["token_ids"] == from_argument["token_ids"]
 
 
 def test_generate_error_status_goes_to_stderr_with_exit_1(stack):

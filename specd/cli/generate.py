@@ -30,7 +30,9 @@ def default_address() -> str:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text through a running coordinator")
-    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text (with --chat: the user's message)")
+    parser.add_argument(
+        "prompt", metavar="PROMPT", help="the prompt text (with --chat: the user's message); '-' reads it from stdin"
+    )
     parser.add_argument("--chat", action="store_true",
                         help="send PROMPT as one user message, rendered with the target's chat template")
     parser.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
@@ -131,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     from specd.v1 import coordinator_pb2_grpc
 
     address = args.address or default_address()
+    if args.prompt == "-":  # a long prompt (a file to summarise, code to complete) need not fit a command line
+        args.prompt = sys.stdin.read()
     request = build_request(args)
     try:
         channel = connect.open_channel(address, args)
