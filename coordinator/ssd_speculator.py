@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 import time
 
 from coordinator.config import CoordinatorConfig
@@ -87,8 +86,7 @@ class Speculator:
         less near the end of the draft's context, which the deepest branch (all accepted, its
         t*, then K' drafted) must fit in; 0 or less: no tree fits. (Past max_len a branch drafts
         what no round will verify, as sd's Propose for that outcome would: not cut here.)"""
-        room = self._draft.room(committed + verifying + 1) if self._draft is not None else sys.maxsize
-        return min(self._sizing.k, room)
+        return min(self._sizing.k, self._draft.room(committed + verifying + 1))
 
     def beside(self, index: int, committed: list[int], verifying: list[int]) -> Speculation:
         """Start Speculate beside round `index`'s verify, of `verifying` after `committed`,

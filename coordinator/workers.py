@@ -73,7 +73,7 @@ class CatchUp:
     """How a long unsent tail (a prompt, a history resent) reaches a worker: as Prefill calls of
     at most `most_tokens` tokens, each within `timeout_s` of its own, before the call that needs
     it. One call carrying thousands of tokens could outlast any deadline fit for a round on a
-    slow worker, and could not be stopped half-way when its request ends. 0 tokens: one call."""
+    slow worker, and could not be stopped half-way when its request ends."""
 
     prefill: Callable[[str, common_pb2.CommittedTokens, float], Awaitable]  # (session_id, tail, timeout_s): a Prefill
     most_tokens: int
@@ -81,6 +81,8 @@ class CatchUp:
 
     async def run(self, session: WorkerSession, committed: list[int]) -> float:
         """Prefill the unsent tail until at most `most_tokens` of it are left; the seconds it took."""
+        if len(committed) - session.sent <= self.most_tokens:  # every round's call but a prompt's
+            return 0.0
         started = time.monotonic()
         session.caught_up.clear()
         try:
@@ -91,7 +93,7 @@ class CatchUp:
 
     async def _prefill_chunks(self, session: WorkerSession, committed: list[int]) -> None:
         resent = False
-        while self.most_tokens > 0 and len(committed) - session.sent > self.most_tokens:
+        while len(committed) - session.sent > self.most_tokens:
             _check_not_ended(session)
             chunk = committed[: session.sent + self.most_tokens]
             try:
