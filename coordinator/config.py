@@ -69,8 +69,8 @@ class CoordinatorConfig:
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
-    # The default target on one CPU thread caches a 4k-token prompt in ~18 s and an 8k one in
-    # ~55 s (README, "Long prompts"): in one call, the worker timeout would cut it off.
+    # The default target on one CPU thread caches a 4k-token prompt in ~21 s and an 8k one in
+    # ~60 s (README, "Long prompts"): in one call, the worker timeout would cut it off.
     worker_call_tokens: int = setting(
         1024, "most committed tokens one worker call carries; a longer prompt goes ahead as Prefill calls of this many (0: no limit)"
     )

@@ -2,7 +2,7 @@
 of the draft's context.
 
 A prompt of thousands of tokens on a CPU target takes longer to cache than the worker timeout
-allows one call (an 8k prompt of the default target: ~55 s on one thread). The coordinator sends
+allows one call (an 8k prompt of the default target: ~60 s on one thread). The coordinator sends
 a tail longer than `--worker-call-tokens` ahead as Prefill calls of that many tokens, each within
 its own timeout, so the request is served, and a request that ends mid-prompt stops the prefill
 at the next call. Near the end of the draft's context (the target's, or a shorter one of its

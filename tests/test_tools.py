@@ -100,3 +100,14 @@ def test_ab_ssd_runs_each_arm_in_front_of_the_same_workers(tiny_pair):
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert "one: mean" in run.stdout and "two: mean" in run.stdout, run.stdout
     assert "greedy outputs identical: True" in run.stdout, run.stdout
+
+
+def test_measure_long_prompts_times_each_length_in_each_mode(tiny_pair):
+    from tests.conftest import running_stack
+
+    with running_stack(*tiny_pair) as stack:
+        run = _run("tools/measure_long_prompts.py", "--address", stack.address, "--lengths", "20,60", "--modes", "off,ssd",
+                   "--max-new-tokens", "4", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 4 and all(" tokens: " in line and "(ok, 4 tokens" in line for line in lines), run.stdout
