@@ -22,6 +22,11 @@ class TargetConfig(WorkerConfig):
     prefill_chunk_tokens: int = setting(
         256, "in a forward shared with other sessions, most prompt tokens one session caches (the rest in the next forwards; 0: all at once)"
     )
+    prefill_chunk_ms: float = setting(
+        500.0, "while the worker serves more than one session, a forward that caches part of a prompt is cut to the tokens "
+        "estimated to take about this many ms (from the ms per token of recent forwards), so that the other sessions' "
+        "calls wait about that long at most; 0: off"
+    )
     verify_after_wait_s: float = setting(
         60.0, "VerifyAfter: answer unmatched (nothing ran) if the verify it follows has not run after this long"
     )
@@ -34,5 +39,7 @@ class TargetConfig(WorkerConfig):
             raise ConfigError("--tp-heartbeat-s must be > 0 and shorter than --tp-timeout-s")
         if self.prefill_chunk_tokens < 0:
             raise ConfigError("--prefill-chunk-tokens must be >= 0")
+        if self.prefill_chunk_ms < 0:
+            raise ConfigError("--prefill-chunk-ms must be >= 0")
         if self.verify_after_wait_s <= 0:
             raise ConfigError("--verify-after-wait-s must be > 0")

@@ -7,7 +7,9 @@ packed forward (specd/packed_forward.py); each verify then takes its own ratio t
 In a forward shared with other sessions, a call that still has to cache a long stretch of
 committed tokens (a new prompt) caches at most `prefill_chunk` of them and runs again in the
 next batch (AGAIN), so that one long prompt does not make everyone's step as slow as its
-prefill; alone, it catches up in one forward.
+prefill. A batch may also come with a limit on the tokens its forward feeds (the time budget
+of target_service/prefill_pacing.py): catch-ups are then cut, alone or shared, so that the
+forward feeds about that many, the shorter feeds whole first and the rest shared evenly.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ import dataclasses
 import torch
 
 from specd.batcher import AGAIN, Again
-from specd.forward import forward_logits, prefill_session
+from specd.forward import forward_logits
 from specd.models import LoadedModel
 from specd.packed_forward import Segment, enable_packing
 from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniforms, logits_to_probs, sparse_to_dense
 from specd.session_cache import Session, SessionStore
 from specd.verify import greedy_verify, rejection_sample
+
+
+MIN_CHUNK = 16  # fewest catch-up tokens a cut call caches per forward, however full the forward: it must progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +80,15 @@ class _Synced:
     num_logits: int
     first_position: int  # absolute position of d_1 (of the token after the committed ones)
 
+    @property
+    def committed_feed(self) -> int:
+        """Committed tokens this call feeds (its catch-up), drafts not counted."""
+        return len(self.feed) - (self.call.num_draft if isinstance(self.call, VerifyCall) else 0)
+
     def first_chunk(self, most: int) -> _Synced | None:
         """The first `most` tokens of a catch-up longer than that, to cache now (the call runs
         again for the rest); None when the committed tokens to feed are `most` or fewer."""
-        committed_feed = len(self.feed) - (self.call.num_draft if isinstance(self.call, VerifyCall) else 0)
-        if committed_feed <= most:
+        if self.committed_feed <= most:
             return None
         return _Synced(self.call, self.session, self.feed[:most], 1, self.first_position)
 
@@ -90,23 +99,24 @@ class TargetModelRunner:
         self.sessions = sessions
         self._packer = enable_packing(loaded.model) if pack else None  # None: one session per forward
         self._prefill_chunk = prefill_chunk  # in a shared forward, most committed tokens a call caches (0: all)
+        self.last_forward: tuple[int, float] | None = None  # (tokens fed, ms) of run_batch's forward, if it ran one
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
-        return prefill_session(self.loaded.model, self.sessions.open(session_id, start), start, tokens)
+        return self._run_one(PrefillCall(session_id, start, tokens), None)
 
     def verify(self, session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs) -> VerifyOutcome:
         """One forward over [last committed token, d_1..d_K], then the ratio test."""
-        joined = self._sync(VerifyCall(session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs))
-        (logits,), forward_ms = self._forward([joined])  # [K+1, V]
-        return self._decide(joined, logits, forward_ms)
+        return self._run_one(VerifyCall(session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs), None)
 
-    def run_batch(self, calls: list[Call]) -> list[VerifyOutcome | Prefilled | Again | BaseException]:
+    def run_batch(self, calls: list[Call], most_tokens: int | None = None) -> list[VerifyOutcome | Prefilled | Again | BaseException]:
         """Verifies and prefills of different sessions in one forward; each call's outcome
         (a VerifyOutcome, or a prefill's (cached, ms)), AGAIN for a call that cached a chunk of
-        its catch-up and runs again, or what it raised."""
+        its catch-up and runs again, or what it raised. With `most_tokens`, catch-ups are cut so
+        that the forward feeds about that many tokens."""
+        self.last_forward = None
         if len(calls) == 1 or self._packer is None:
-            return [_outcome_or_error(self._run_alone, call) for call in calls]
+            return [_outcome_or_error(self._run_one, call, most_tokens) for call in calls]
         results: list = [None] * len(calls)
         synced: dict[int, _Synced] = {}
         for i, call in enumerate(calls):
@@ -116,7 +126,7 @@ class TargetModelRunner:
                 results[i] = exc
         for i in [i for i, joined in synced.items() if not joined.feed]:  # a prefill with nothing to cache
             results[i] = (len(synced.pop(i).session.cached_tokens), 0.0)
-        chunked = self._chunk_catch_ups(synced)
+        chunked = self._chunk_catch_ups(synced, most_tokens)
         if synced:
             logits, forward_ms = self._forward(list(synced.values()))  # [num_logits, V] each
             for (i, joined), call_logits in zip(synced.items(), logits):
@@ -128,22 +138,40 @@ class TargetModelRunner:
                     results[i] = self._decide(joined, call_logits, forward_ms)
         return results
 
-    def _chunk_catch_ups(self, synced: dict[int, _Synced]) -> set[int]:
-        """In a shared forward, long catch-ups cut to their first chunk (in place); their indices."""
-        if not self._prefill_chunk or len(synced) < 2:
-            return set()
+    def _chunk_catch_ups(self, synced: dict[int, _Synced], most_tokens: int | None) -> set[int]:
+        """Long catch-ups cut to their first chunk (in place); their indices. In a shared forward
+        a catch-up caches at most `prefill_chunk` tokens; with `most_tokens`, the calls feeding
+        least are counted whole first and each longer catch-up gets an even share of what is
+        left, at least MIN_CHUNK tokens."""
+        each = self._prefill_chunk if len(synced) > 1 and self._prefill_chunk else None
+        room = most_tokens
         chunked = set()
-        for i, joined in synced.items():
-            chunk = joined.first_chunk(self._prefill_chunk)
+        by_catch_up = sorted(synced, key=lambda i: synced[i].committed_feed)  # stable: the same order on every rank
+        for calls_left, i in zip(range(len(by_catch_up), 0, -1), by_catch_up):
+            most = each
+            if room is not None:
+                share = max(MIN_CHUNK, room // calls_left)
+                most = share if most is None else min(most, share)
+            chunk = synced[i].first_chunk(most) if most is not None else None
             if chunk is not None:
                 synced[i] = chunk
                 chunked.add(i)
+            if room is not None:
+                room -= len(synced[i].feed)
         return chunked
 
-    def _run_alone(self, call: Call) -> VerifyOutcome | Prefilled:
+    def _run_one(self, call: Call, most_tokens: int | None) -> VerifyOutcome | Prefilled | Again:
+        """One call in a forward of its own: cut to `most_tokens` if its catch-up is longer."""
+        joined = self._sync(call)
+        if not joined.feed:  # a prefill with nothing to cache
+            return len(joined.session.cached_tokens), 0.0
+        chunk = joined.first_chunk(most_tokens) if most_tokens is not None else None
+        (logits,), forward_ms = self._forward([chunk or joined])  # [num_logits, V]
+        if chunk is not None:
+            return AGAIN
         if isinstance(call, PrefillCall):
-            return self.prefill(call.session_id, call.start, call.tokens)
-        return self.verify(call.session_id, call.start, call.tokens, call.draft_tokens, call.dists, call.sampling, call.return_logprobs)
+            return len(joined.session.cached_tokens), forward_ms
+        return self._decide(joined, logits, forward_ms)
 
     def _sync(self, call: Call) -> _Synced:
         session = self.sessions.open(call.session_id, call.start)
@@ -168,6 +196,7 @@ class TargetModelRunner:
             raise
         for b in batch:
             b.session.extend(b.feed)
+        self.last_forward = (sum(len(b.feed) for b in batch), forward_ms)
         return logits, forward_ms
 
     @staticmethod
@@ -206,8 +235,8 @@ class TargetModelRunner:
         return self.sessions.expire_idle()
 
 
-def _outcome_or_error(run, call: Call) -> VerifyOutcome | Prefilled | BaseException:
+def _outcome_or_error(run, *args) -> VerifyOutcome | Prefilled | Again | BaseException:
     try:
-        return run(call)
+        return run(*args)
     except Exception as exc:  # noqa: BLE001 - this call alone fails
         return exc

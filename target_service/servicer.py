@@ -17,6 +17,7 @@ from specd.v1 import target_pb2, target_pb2_grpc
 from specd.wire import check_committed, check_token_ids, sampling_from_proto, sampling_to_proto, sparse_from_proto
 from specd.worker_servicer import WorkerServicer, common_info
 from target_service.outcomes import VerifyOutcomes
+from target_service.prefill_pacing import PrefillPacer
 from target_service.runner import PrefillCall, TargetModelRunner, VerifyCall, VerifyOutcome
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
@@ -44,8 +45,10 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         max_batch_size: int = 16,
         batch_wait_ms: float = 0.0,
         retired_session_memory_s: float = 30.0,
+        prefill_pacer: PrefillPacer | None = None,
     ):
         super().__init__(thread, retired_session_memory_s)
+        self._pacer = prefill_pacer or PrefillPacer(0.0, 0)  # the tokens each forward may feed, from its time budget
         self._tensor_parallel = tensor_parallel
         self._verify_after_wait_s = verify_after_wait_s  # the longest a VerifyAfter waits (TargetConfig)
         self._verifying: collections.Counter[str] = collections.Counter()  # Verify calls in flight per session
@@ -178,8 +181,10 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
             except Exception as exc:  # noqa: BLE001 - this call alone fails
                 results[i] = exc
         started_ns = time.time_ns()
-        outcomes = runner.run_batch(list(calls.values()))
+        outcomes = runner.run_batch(list(calls.values()), self._most_tokens(runner, calls.values()))
         ended_ns = time.time_ns()
+        if runner.last_forward is not None:
+            self._pacer.observe(*runner.last_forward)
         for (i, call), outcome in zip(calls.items(), outcomes):
             if isinstance(outcome, VerifyOutcome):
                 committed = call.start + len(call.tokens)
@@ -188,6 +193,14 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
             results[i] = outcome
         self._observe_forward(results)
         return results
+
+    def _most_tokens(self, runner, calls) -> int | None:
+        """The pacer's limit on the forward's tokens while it serves more than one session (the
+        others' next calls must not wait long); a session alone on the worker caches its prompt
+        as fast as it can."""
+        own = {call.session_id for call in calls}
+        sessions = len(runner.sessions) - sum(session_id in runner.sessions for session_id in own) + len(own)
+        return self._pacer.most_tokens() if sessions > 1 else None
 
     def _observe_forward(self, results: list) -> None:
         """One forward in the metrics: as a verify if it verified anything, else as a prefill."""

@@ -54,9 +54,14 @@ class TensorParallelTargetRunner:
     def verify(self, session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs):
         return self._call("verify", session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs)
 
-    def run_batch(self, calls):
-        """Every rank runs the packed forward: a call that fails fails alike on each, before any collective."""
-        return self._call("run_batch", calls)
+    def run_batch(self, calls, most_tokens=None):
+        """Every rank runs the packed forward: a call that fails fails alike on each, before any
+        collective; rank 0's `most_tokens` goes with the calls, so every rank cuts them alike."""
+        return self._call("run_batch", calls, most_tokens)
+
+    @property
+    def last_forward(self):
+        return self.local.last_forward
 
     def end_session(self, session_id: str) -> bool:
         return self._call("end_session", session_id)

@@ -12,6 +12,7 @@ from specd.session_cache import SessionStore
 from specd.v1 import target_pb2, target_pb2_grpc
 from specd.worker_server import start_worker
 from target_service.config import TargetConfig
+from target_service.prefill_pacing import FIRST_CHUNK_TOKENS, PrefillPacer
 from target_service.runner import TargetModelRunner
 from target_service.servicer import TargetServicer
 
@@ -43,6 +44,7 @@ async def start_target(
         lambda thread: TargetServicer(
             thread, config.verify_after_wait_s, tensor_parallel=config.tensor_parallel, max_batch_size=config.max_batch_size,
             batch_wait_ms=config.batch_wait_ms, retired_session_memory_s=config.retired_session_memory_s,
+            prefill_pacer=PrefillPacer(config.prefill_chunk_ms, config.prefill_chunk_tokens or FIRST_CHUNK_TOKENS),
         ),
         target_pb2_grpc.add_TargetWorkerServicer_to_server,
         SERVICE_NAME,

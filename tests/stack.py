@@ -190,8 +190,8 @@ def slow_verify(runner, seconds: float) -> None:
     """A target that verifies slower than the tiny draft builds its cache, as a large one does."""
     original = runner.run_batch
 
-    def slow(calls):  # as slow per session verified as before batching: a large target's share
+    def slow(calls, most_tokens=None):  # as slow per session verified as before batching: a large target's share
         time.sleep(seconds * len(calls))
-        return original(calls)
+        return original(calls, most_tokens)
 
     runner.run_batch = slow

@@ -224,9 +224,9 @@ def test_concurrent_requests_share_target_forwards_and_decode_as_alone(tiny_pair
         runner = stack.target.servicer.runner
         original = runner.run_batch
 
-        def busy(calls):  # a forward long enough that the other requests' verifies queue behind it
+        def busy(calls, most_tokens=None):  # a forward long enough that the other requests' verifies queue behind it
             threading.Event().wait(0.02)
-            return original(calls)
+            return original(calls, most_tokens)
 
         runner.run_batch = busy
         stub = stack.stub()

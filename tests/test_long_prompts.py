@@ -51,10 +51,10 @@ class CallLog:
         self._lock = threading.Lock()
         run_batch = target_runner.run_batch
 
-        def logged_batch(calls):
+        def logged_batch(calls, most_tokens=None):
             with self._lock:
                 self.target.extend((type(call).__name__, len(call.tokens)) for call in calls)
-            return run_batch(calls)
+            return run_batch(calls, most_tokens)
 
         target_runner.run_batch = logged_batch
         if draft_runner is not None:
@@ -75,9 +75,9 @@ def slow_target(runner, seconds_per_token: float) -> None:
     large one on a CPU does with a long prompt."""
     run_batch = runner.run_batch
 
-    def slow(calls):
+    def slow(calls, most_tokens=None):
         time.sleep(seconds_per_token * sum(len(call.tokens) for call in calls))
-        return run_batch(calls)
+        return run_batch(calls, most_tokens)
 
     runner.run_batch = slow
 

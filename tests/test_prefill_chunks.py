@@ -168,8 +168,8 @@ def test_served_requests_with_long_prompts_side_by_side_decode_as_alone(tiny_pai
         runner, chunks = stack.target.servicer.runner, []
         run_batch = runner.run_batch
 
-        def counted(calls):
-            results = run_batch(calls)
+        def counted(calls, most_tokens=None):
+            results = run_batch(calls, most_tokens)
             chunks.extend(r for r in results if r is AGAIN)
             return results
 

@@ -103,6 +103,12 @@ def _runner_script(runner) -> None:
             break
         chunks += 1
     assert chunks == 2 and long[0] == 12, (chunks, long)
+    # Alone, under rank 0's limit on the tokens a forward feeds (its time budget): every rank
+    # cuts the prompt alike, 16 tokens a forward until the rest fits.
+    chunks = 0
+    while (lone := runner.run_batch([PrefillCall("f", 0, list(range(40, 80)))], 16)[0]) is AGAIN:
+        chunks += 1
+    assert chunks == 2 and lone[0] == 39, (chunks, lone)
 
 
 def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
@@ -119,7 +125,7 @@ def _rank_main(rank: int, world: int, model: str, out_dir: str) -> None:
         recorded.append(logits.clone())
         return logits, ms
 
-    # Verify calls the runner module's name; prefill goes through specd.forward's own.
+    # The runner calls its module's name; specd.forward's own is patched too, for anything else.
     runner_module.forward_logits = specd.forward.forward_logits = recording_forward
     config = TargetConfig(model=model, device="cpu", threads=1, tensor_parallel=world, session_idle_timeout_s=1.0,
                           tp_timeout_s=RUNNER_TP_TIMEOUT_S, tp_heartbeat_s=0.2, prefill_chunk_tokens=PREFILL_CHUNK)

@@ -1,0 +1,45 @@
+"""How many prompt tokens the target's next forward may cache, so that it lasts about a set time.
+
+A forward that caches a long stretch of a prompt holds the model thread for as long as that
+takes: on a CPU, 1,024 tokens after 6,000 cached ones take some 5 s, and every other session's
+verify waits behind it. With a time budget, the runner cuts such a catch-up to the tokens that
+fit (the call runs again for the rest, AGAIN), so that the other sessions' verifies join a
+forward every budget or so, whatever the device: the pacer turns the budget into tokens from
+the milliseconds per token that the latest forwards of at least `MIN_TOKENS` tokens took (the
+cost per token grows with the context, so recent forwards are the guide). Until a forward has
+been measured it allows `first_tokens`.
+
+The decision is made once, on the process that serves (rank 0 of a tensor-parallel target), and
+passed to the runner, so that every rank cuts the same calls the same way.
+"""
+
+from __future__ import annotations
+
+MIN_TOKENS = 32  # a forward of fewer tokens is mostly fixed cost: it says little about the cost per token
+FIRST_CHUNK_TOKENS = 256  # the first forward's allowance when no token count is set either
+SMOOTHING = 0.5  # weight of the newest forward in the estimate (the context, and so the cost, grows as a prompt is cached)
+
+
+class PrefillPacer:
+    def __init__(self, budget_ms: float, first_tokens: int):
+        self.budget_ms = budget_ms  # 0: no budget (the runner cuts by tokens only)
+        self._first_tokens = first_tokens
+        self._ms_per_token: float | None = None
+
+    def most_tokens(self) -> int | None:
+        """Most tokens the next forward may feed (at least MIN_TOKENS); None: no budget."""
+        if self.budget_ms <= 0:
+            return None
+        if self._ms_per_token is None:
+            return max(MIN_TOKENS, self._first_tokens)
+        return max(MIN_TOKENS, int(self.budget_ms / self._ms_per_token))
+
+    def observe(self, fed_tokens: int, forward_ms: float) -> None:
+        """A forward that fed `fed_tokens` tokens (every session's) took `forward_ms`."""
+        if fed_tokens < MIN_TOKENS or forward_ms <= 0:
+            return
+        latest = forward_ms / fed_tokens
+        if self._ms_per_token is None:
+            self._ms_per_token = latest
+        else:
+            self._ms_per_token = SMOOTHING * latest + (1 - SMOOTHING) * self._ms_per_token
