@@ -163,7 +163,7 @@ def target_gate(runner, call_type: type) -> RunnerGate:
     The target's servicer runs every call through run_batch, and calls that arrive together
     share one batch without going through prefill() or verify(): a gate on those would let
     concurrent requests pass whenever they happened to be batched."""
-    return RunnerGate(runner, "run_batch", holds=lambda calls: any(isinstance(call, call_type) for call in calls))
+    return RunnerGate(runner, "run_batch", holds=lambda calls, *_: any(isinstance(call, call_type) for call in calls))
 
 
 def prefill_gate(runner) -> RunnerGate:
@@ -172,6 +172,20 @@ def prefill_gate(runner) -> RunnerGate:
 
 def verify_gate(runner) -> RunnerGate:
     return target_gate(runner, VerifyCall)
+
+
+def count_target_calls(runner, call_type: type) -> list[int]:
+    """How many `call_type` calls (VerifyCall, PrefillCall) the target's runner is given from now
+    on: the servicer runs every call through run_batch (a call cut into chunks counts each time)."""
+    count = [0]
+    original = runner.run_batch
+
+    def counted(calls, *args, **kwargs):
+        count[0] += sum(isinstance(call, call_type) for call in calls)
+        return original(calls, *args, **kwargs)
+
+    runner.run_batch = counted
+    return count
 
 
 def count_calls(runner, name: str) -> list[int]:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.server import start_coordinator
 from specd.v1 import coordinator_pb2 as pb
+from target_service.runner import PrefillCall, VerifyCall
 from specd.v1 import coordinator_pb2_grpc
 from tests.conftest import (
     CALL_TIMEOUT_S,
@@ -25,7 +26,7 @@ from tests.conftest import (
     request,
     running_stack,
 )
-from tests.stack import RunnerGate, ServiceStack, count_calls, verify_gate, wait_for
+from tests.stack import RunnerGate, ServiceStack, count_calls, count_target_calls, verify_gate, wait_for
 
 PROMPT = "def add(a, b):"
 # "Promptly": the deadline of calls that must fail UNAVAILABLE (a hang ends DEADLINE_EXCEEDED).
@@ -116,6 +117,7 @@ def test_lost_target_session_mid_request_is_resent(stack, reference):
     """A target that lost a session (expiry, restart) mid-request gets the history resent: same tokens."""
     model, ids, greedy = reference
     stub = stack.stub()
+    prefills = count_target_calls(stack.target.servicer.runner, PrefillCall)  # under the gate: it outlives it
     call = stub.GenerateStream(request(ids, max_new_tokens=200, k=4), timeout=CALL_TIMEOUT_S)
     messages = [next(call)]
     gate = verify_gate(stack.target.servicer.runner)
@@ -123,12 +125,12 @@ def test_lost_target_session_mid_request_is_resent(stack, reference):
     store = stack.target.servicer.runner.sessions
     (session_id,) = list(store._sessions)
     assert store.end(session_id)  # as if it had expired while the Verify was on its way
-    prefills = count_calls(stack.target.servicer.runner, "prefill")
+    prefills_before = prefills[0]
     gate.release()
     messages.extend(call)
     tokens = [t for m in messages for t in m.token_ids]
     assert_greedy_equal_or_near_tie(model, ids, tokens, greedy[:200])
-    assert prefills[0] == 0  # the resend rides on Verify itself, from position 0
+    assert prefills[0] == prefills_before  # the resend rides on Verify itself, from position 0
 
 
 def test_target_restart_between_rounds_keeps_the_result_exact(stack, reference):
@@ -144,7 +146,7 @@ def test_target_restart_between_rounds_keeps_the_result_exact(stack, reference):
     stack.stop_target()
     stack.restart_target()
     assert stack.target is not old_target and _sessions(stack.target) == 0
-    verifies = count_calls(stack.target.servicer.runner, "verify")
+    verifies = count_target_calls(stack.target.servicer.runner, VerifyCall)
     gate.release()
     messages.extend(call)
     tokens = [t for m in messages for t in m.token_ids]

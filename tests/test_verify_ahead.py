@@ -14,8 +14,9 @@ import pytest
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
 from target_service.outcomes import VerifyOutcomes
+from target_service.runner import VerifyCall
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
-from tests.stack import count_calls, slow_verify
+from tests.stack import count_target_calls, slow_verify
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 GREEDY = common_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
@@ -221,7 +222,7 @@ def test_the_choice_for_the_outcome_runs_right_after(target_stub, sampling):
 
 def test_no_choice_for_the_outcome_runs_nothing(target_stub):
     stack, stub = target_stub
-    verifies = count_calls(stack.target.servicer.runner, "verify")
+    verifies = count_target_calls(stack.target.servicer.runner, VerifyCall)
     _prefill(stub, "unmatched")
     first = stub.Verify(_verify_request("unmatched", 0, PROMPT, [8, 9]), timeout=CALL_TIMEOUT_S)
     wrong = (first.next_token + 1) % 300
