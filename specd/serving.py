@@ -25,8 +25,10 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 # Servers accept the coordinator's keepalive pings (every 20 s, also between calls) instead of
-# answering them with GOAWAY "too_many_pings".
+# answering them with GOAWAY "too_many_pings". No SO_REUSEPORT (gRPC's default): a second server
+# on a port already served must fail to start, not take half of its connections.
 SERVER_OPTIONS = GRPC_OPTIONS + [
+    ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),

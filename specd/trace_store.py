@@ -88,7 +88,7 @@ class Receiver:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch()
         self.service = _TraceService(self.path)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])  # never shares its port
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.service, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:

@@ -176,3 +176,55 @@ def test_a_second_stack_leaves_generates_default_address_alone(tmp_path, monkeyp
     assert json.loads(up_module.state_file().read_text()) == {"address": "127.0.0.1:40000", "pid": os.getpid()}
     up_module.release_state_file()
     assert not up_module.state_file().exists()
+
+
+class _LowestFreePortSockets:
+    """A system that hands out the lowest unbound port from 50000 for bind(0), as one may after
+    a stack on that port stopped; a bound port is refused until its socket closes."""
+
+    AF_INET, SOCK_STREAM, SOL_SOCKET, SO_REUSEADDR = socket.AF_INET, socket.SOCK_STREAM, socket.SOL_SOCKET, socket.SO_REUSEADDR
+
+    def __init__(self, taken=()):
+        self.bound: set[int] = set(taken)
+
+    def socket(self, *_):
+        system = self
+
+        class Sock:
+            port = None
+
+            def setsockopt(self, *_):
+                pass
+
+            def bind(self, address):
+                port = address[1] or min(p for p in range(50000, 60000) if p not in system.bound)
+                if port in system.bound:
+                    raise OSError("address in use")
+                system.bound.add(port)
+                self.port = port
+
+            def getsockname(self):
+                return ("127.0.0.1", self.port)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *_):
+                system.bound.discard(self.port)
+
+        return Sock()
+
+
+@pytest.mark.parametrize("metrics_port", [-1, 0, 51000])
+def test_free_ports_are_never_the_ports_already_chosen(monkeypatch, metrics_port):
+    system = _LowestFreePortSockets()
+    monkeypatch.setattr(up_module, "socket", system)
+    ports = up_module.choose_ports("127.0.0.1", 50000, metrics_port)  # the port the system would hand out next
+    assert ports["coordinator"] == 50000
+    assert len(set(ports.values())) == len(ports) == (3 if metrics_port < 0 else 6), ports
+    assert not system.bound  # every socket closed again
+    if metrics_port > 0:
+        assert [ports[f"metrics-{name}"] for name in ("coordinator", "target", "draft")] == [51000, 51001, 51002]
+    system.bound.add(50000)  # something else holds it now
+    with pytest.raises(up_module.PortTaken, match="port 50000 on 127.0.0.1 is taken"):
+        up_module.choose_ports("127.0.0.1", 50000, -1)

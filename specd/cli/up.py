@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -78,20 +79,47 @@ def free_port(host: str, preferred: int = 0) -> int:
 
 def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
     """gRPC ports (coordinator: `port`, workers: free ones) and metrics ports (`metrics-*`:
-    metrics_port and the next two; free ones for 0; none for -1). Raises PortTaken."""
-    if port and not port_is_free(host, port):
-        raise PortTaken(f"port {port} on {host} is taken (another `specd up`?); stop what holds it, "
-                        f"or choose another with --port (0: a free one)")
-    ports = {"coordinator": port or free_port(host), "target": free_port(host), "draft": free_port(host)}
-    if metrics_port < 0:
+    metrics_port and the next two; free ones for 0; none for -1). Raises PortTaken.
+
+    Each port stays bound here until all are chosen: a free port the system picks is then never
+    one already chosen (the coordinator's, checked free a moment before, was once handed to the
+    target, and both servers bound it, each taking half the connections)."""
+    with contextlib.ExitStack() as held:
+
+        def hold(wanted: int) -> int | None:
+            """Bind `wanted` (0: a free port) and keep it bound; the port, or None if it is taken."""
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            if wanted:  # as a server binds: a port left in TIME_WAIT by a stopped stack counts as free
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, wanted))
+            except OSError:
+                return None
+            return sock.getsockname()[1]
+
+        ports: dict[str, int] = {}
+        if port and hold(port) is None:
+            raise PortTaken(f"port {port} on {host} is taken (another `specd up`?); stop what holds it, "
+                            f"or choose another with --port (0: a free one)")
+        if metrics_port > 0:
+            for offset, name in enumerate(("coordinator", "target", "draft")):
+                wanted = metrics_port + offset
+                if wanted == port or hold(wanted) is None:
+                    raise PortTaken(f"metrics port {wanted} on {host} ({name}) is taken; choose others with "
+                                    f"--metrics-port (the coordinator's; the workers get the next two; 0: free ones, -1: none)")
+                ports[f"metrics-{name}"] = wanted
+        ports.update(coordinator=port or _held_free_port(hold, host), target=_held_free_port(hold, host), draft=_held_free_port(hold, host))
+        if metrics_port == 0:
+            for name in ("coordinator", "target", "draft"):
+                ports[f"metrics-{name}"] = _held_free_port(hold, host)
         return ports
-    for offset, name in enumerate(("coordinator", "target", "draft")):
-        wanted = metrics_port + offset if metrics_port else free_port(host)
-        if metrics_port and not port_is_free(host, wanted):
-            raise PortTaken(f"metrics port {wanted} on {host} ({name}) is taken; choose others with "
-                            f"--metrics-port (the coordinator's; the workers get the next two; 0: free ones, -1: none)")
-        ports[f"metrics-{name}"] = wanted
-    return ports
+
+
+def _held_free_port(hold, host: str) -> int:
+    chosen = hold(0)
+    if chosen is None:
+        raise OSError(f"no free port on {host}")
+    return chosen
 
 
 def check_models(names: list[str]) -> None:

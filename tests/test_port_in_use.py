@@ -1,0 +1,27 @@
+"""A server never shares its port: gRPC binds with SO_REUSEPORT unless told not to, and then a
+second server on a port already served starts without error and takes half its connections."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specd.serving import create_server
+
+
+def test_a_second_server_on_a_served_port_fails_to_start():
+    async def two_servers():
+        first, port, _ = create_server("127.0.0.1", 0, lambda server: None, [])
+        await first.start()
+        try:
+            with pytest.raises((OSError, RuntimeError)):
+                create_server("127.0.0.1", port, lambda server: None, [])
+        finally:
+            await first.stop(None)
+        # Once the first has stopped, the port serves again.
+        again, bound, _ = create_server("127.0.0.1", port, lambda server: None, [])
+        assert bound == port
+        await again.stop(None)
+
+    asyncio.run(two_servers())
