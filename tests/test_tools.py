@@ -111,3 +111,17 @@ def test_measure_long_prompts_times_each_length_in_each_mode(tiny_pair):
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert len(lines) == 4 and all(" tokens: " in line and "(ok, 4 tokens" in line for line in lines), run.stdout
+
+
+def test_measure_long_prompts_times_chats_beside_a_long_prompt(tiny_pair, tmp_path):
+    from tests.conftest import copy_target, running_stack
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    target = copy_target(tiny_pair[0], tmp_path / "chat_target", chat_template=template)
+    with running_stack(target, tiny_pair[1]) as stack:
+        run = _run("tools/measure_long_prompts.py", "--address", stack.address, "--lengths", "20", "--beside", "150",
+                   "--chats", "2", "--chat-mode", "sd", "--long-mode", "ssd", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    beside = run.stdout.splitlines()[-1]
+    assert beside.startswith("a 32-token chat (sd) alone: ") and "beside a 150-token prompt (ssd), one after another: " in beside
+    assert beside.count(" s") >= 3 and "the long prompt" in beside, run.stdout

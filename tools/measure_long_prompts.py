@@ -5,8 +5,9 @@ chat fares beside a long prompt (README, "Long prompts").
         --modes off --beside 6000
 
 Prompts are token ids (the same synthetic sequence for every length, within the vocabulary), sent one at a time; each
-asks for `--max-new-tokens`. With --beside N, one request of N tokens runs while `--chats` short
-chat requests (32 new tokens, `off`) are sent one after another.
+asks for `--max-new-tokens`. With --beside N, one request of N tokens (8 new tokens, in
+`--long-mode`) runs while `--chats` short chat requests (32 new tokens, in `--chat-mode`) are sent
+one after another.
 """
 
 import argparse
@@ -43,11 +44,11 @@ def _generate(stub, ids: list[int], mode: str, max_new_tokens: int) -> tuple[flo
     return time.monotonic() - started, outcome
 
 
-def _chat(stub) -> float:
+def _chat(stub, mode: str) -> float:
     message = pb.ChatMessage(role="user", content="Write a haiku about rain.")
     request = pb.GenerateRequest(
         messages=pb.ChatMessages(messages=[message]), max_new_tokens=32,
-        speculation=pb.SpeculationParams(mode=pb.SPECULATION_MODE_OFF),
+        speculation=pb.SpeculationParams(mode=mode_value(mode)),
     )
     started = time.monotonic()
     stub.Generate(request, timeout=900)
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=1)
     parser.add_argument("--beside", type=int, default=0, help="a long prompt of this many tokens beside the chats (0: none)")
     parser.add_argument("--chats", type=int, default=3)
+    parser.add_argument("--chat-mode", default="off", help="the chats' mode: off, sd or ssd")
+    parser.add_argument("--long-mode", default="off", help="the long prompt's mode beside them: off, sd or ssd")
     args = parser.parse_args()
     stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(args.address))
     vocab_size = stub.ModelInfo(pb.ModelInfoRequest(), timeout=60).vocab_size
@@ -70,14 +73,15 @@ def main() -> None:
             seconds, outcome = _generate(stub, _ids(length, vocab_size), mode, args.max_new_tokens)
             print(f"{mode:<4} {length:>6} tokens: {seconds:7.2f} s  ({outcome})", flush=True)
     if args.beside:
-        alone = _chat(stub)
+        alone = _chat(stub, args.chat_mode)
         result: dict[str, tuple[float, str]] = {}
-        long = threading.Thread(target=lambda: result.setdefault("long", _generate(stub, _ids(args.beside, vocab_size), "off", 8)))
+        long = threading.Thread(target=lambda: result.setdefault("long", _generate(stub, _ids(args.beside, vocab_size), args.long_mode, 8)))
         long.start()
         time.sleep(2.0)  # the long prompt is being cached
-        beside = [_chat(stub) for _ in range(args.chats)]
+        beside = [_chat(stub, args.chat_mode) for _ in range(args.chats)]
         long.join()
-        print(f"a 32-token chat alone: {alone:.2f} s; beside a {args.beside}-token prompt, one after another: "
+        print(f"a 32-token chat ({args.chat_mode}) alone: {alone:.2f} s; beside a {args.beside}-token prompt "
+              f"({args.long_mode}), one after another: "
               + ", ".join(f"{s:.2f}" for s in beside) + f" s; the long prompt {result['long'][0]:.2f} s", flush=True)
 
 
