@@ -55,17 +55,6 @@ class PortTaken(OSError):
     """A port `specd up` was told to use is in use; the message says which flag moves it."""
 
 
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # As a server binds: a port left in TIME_WAIT by a stopped stack counts as free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(host: str, preferred: int = 0) -> int:
     for port in ([preferred] if preferred else []) + [0]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
