@@ -142,11 +142,11 @@ def test_a_real_error_still_logs(tiny_pair, caplog):
         def broken(*args, **kwargs):
             raise RuntimeError("the target's forward broke")
 
-        original, runner.verify = runner.verify, broken
+        original, runner.run_batch = runner.run_batch, broken  # the servicer runs every call through it
         try:
             with pytest.raises(grpc.RpcError) as failed:
                 stack.stub().Generate(pb.GenerateRequest(prompt="def add(a, b):", max_new_tokens=4), timeout=CALL_TIMEOUT_S)
         finally:
-            runner.verify = original
+            runner.run_batch = original
     assert failed.value.code() == grpc.StatusCode.INTERNAL
     assert any(r.levelno >= logging.ERROR and "forward broke" in str(r.exc_info and r.exc_info[1]) for r in caplog.records)

@@ -197,7 +197,7 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
     while not context.join(timeout=1):
         assert time.monotonic() < deadline, "the two ranks did not finish"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert len(single_logits) == 9
+    assert len(single_logits) == 12  # the script's forwards: 9, then the lone prompt's 3 cut ones
     # Heartbeats kept rank 1 through the 2 s idle; once they stopped it timed out (1.5 s) and failed.
     assert "rank 0 is gone or silent" in ranks[1]["outcome"] and "Timed out" in ranks[1]["outcome"], ranks[1]["outcome"]
     for rank, result in enumerate(ranks):

@@ -11,6 +11,7 @@ import torch
 
 from coordinator.config import CoordinatorConfig
 from specd.v1 import coordinator_pb2 as pb
+from target_service.runner import PrefillCall, VerifyCall
 from tests.conftest import (
     CALL_TIMEOUT_S,
     assert_greedy_equal_or_near_tie,
@@ -113,15 +114,17 @@ def test_ssd_round_zero_verify_is_the_prefill_with_the_draft_speculating_beside(
     text = PROMPTS[5]
     target_runner = stack.target.servicer.runner
     calls = _record_calls(monkeypatch, stack.draft.servicer.runner, ("prefill", "propose_job", "speculate_job"))
-    target_prefills = _record_calls(monkeypatch, target_runner, ("prefill",))
     verifies: list[tuple[int, list[int], list[int]]] = []  # (start, tokens, draft tokens)
-    original_verify = target_runner.verify
-    monkeypatch.setattr(
-        target_runner, "verify",
-        lambda session, start, tokens, draft_tokens, *a, **kw: verifies.append((start, list(tokens), list(draft_tokens)))
-        or original_verify(session, start, tokens, draft_tokens, *a, **kw),
-    )
-    gate = verify_gate(target_runner)
+    target_prefills: list[PrefillCall] = []
+    original_batch = target_runner.run_batch
+
+    def recorded(batch, *args):  # the servicer hands the runner every call through run_batch
+        verifies.extend((call.start, list(call.tokens), list(call.draft_tokens)) for call in batch if isinstance(call, VerifyCall))
+        target_prefills.extend(call for call in batch if isinstance(call, PrefillCall))
+        return original_batch(batch, *args)
+
+    monkeypatch.setattr(target_runner, "run_batch", recorded)
+    gate = verify_gate(target_runner)  # wraps the recorder, and puts it back on release
     try:
         future = stub.Generate.future(
             request(prompts[text], mode=pb.SPECULATION_MODE_SSD, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S
