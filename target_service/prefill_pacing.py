@@ -5,9 +5,11 @@ takes: on a CPU, 1,024 tokens after 6,000 cached ones take some 5 s, and every o
 verify waits behind it. With a time budget, the runner cuts such a catch-up to the tokens that
 fit (the call runs again for the rest, AGAIN), so that the other sessions' verifies join a
 forward every budget or so, whatever the device: the pacer turns the budget into tokens from
-the milliseconds per token that the latest forwards of at least `MIN_TOKENS` tokens took (the
-cost per token grows with the context, so recent forwards are the guide). Until a forward has
-been measured it allows `first_tokens`.
+the milliseconds per token that the latest forwards caching at least `MIN_TOKENS` committed
+tokens took (the cost per token grows with the context, so recent forwards are the guide; a
+forward of verifies alone, a few tokens each, costs less per token than a prompt's and would
+lead the pacer to cut too long a chunk). Until such a forward has been measured it allows
+`first_tokens`.
 
 The decision is made once, on the process that serves (rank 0 of a tensor-parallel target), and
 passed to the runner, so that every rank cuts the same calls the same way.
@@ -15,7 +17,9 @@ passed to the runner, so that every rank cuts the same calls the same way.
 
 from __future__ import annotations
 
-MIN_TOKENS = 32  # a forward of fewer tokens is mostly fixed cost: it says little about the cost per token
+from target_service.runner import ForwardCost
+
+MIN_TOKENS = 32  # a forward caching fewer committed tokens says little about what a prompt's tokens cost
 FIRST_CHUNK_TOKENS = 256  # the first forward's allowance when no token count is set either
 SMOOTHING = 0.5  # weight of the newest forward in the estimate (the context, and so the cost, grows as a prompt is cached)
 
@@ -34,11 +38,11 @@ class PrefillPacer:
             return max(MIN_TOKENS, self._first_tokens)
         return max(MIN_TOKENS, int(self.budget_ms / self._ms_per_token))
 
-    def observe(self, fed_tokens: int, forward_ms: float) -> None:
-        """A forward that fed `fed_tokens` tokens (every session's) took `forward_ms`."""
-        if fed_tokens < MIN_TOKENS or forward_ms <= 0:
+    def observe(self, forward: ForwardCost) -> None:
+        """A forward ran: what it fed and how long it took."""
+        if forward.committed_tokens < MIN_TOKENS or forward.ms <= 0:
             return
-        latest = forward_ms / fed_tokens
+        latest = forward.ms / forward.fed_tokens
         if self._ms_per_token is None:
             self._ms_per_token = latest
         else:

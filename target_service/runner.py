@@ -15,6 +15,7 @@ forward feeds about that many, the shorter feeds whole first and the rest shared
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +71,14 @@ Call = VerifyCall | PrefillCall
 Prefilled = tuple[int, float]  # (tokens cached, forward ms)
 
 
+class ForwardCost(NamedTuple):
+    """What one forward fed and took."""
+
+    fed_tokens: int  # every session's, draft tokens included
+    committed_tokens: int  # of those, committed ones (a verify's last one, catch-ups)
+    ms: float
+
+
 @dataclasses.dataclass(frozen=True)
 class _Synced:
     """A call joined to its session: what the forward feeds, the logits kept, where d_1 sits."""
@@ -82,8 +91,9 @@ class _Synced:
 
     @property
     def committed_feed(self) -> int:
-        """Committed tokens this call feeds (its catch-up), drafts not counted."""
-        return len(self.feed) - (self.call.num_draft if isinstance(self.call, VerifyCall) else 0)
+        """Committed tokens this call feeds (its catch-up), drafts not counted: a whole verify keeps
+        a logit after its last committed token and each draft; a prefill or a chunk feeds no draft."""
+        return len(self.feed) - (self.num_logits - 1)
 
     def first_chunk(self, most: int) -> _Synced | None:
         """The first `most` tokens of a catch-up longer than that, to cache now (the call runs
@@ -99,7 +109,7 @@ class TargetModelRunner:
         self.sessions = sessions
         self._packer = enable_packing(loaded.model) if pack else None  # None: one session per forward
         self._prefill_chunk = prefill_chunk  # in a shared forward, most committed tokens a call caches (0: all)
-        self.last_forward: tuple[int, float] | None = None  # (tokens fed, ms) of run_batch's forward, if it ran one
+        self.last_forward: ForwardCost | None = None  # of run_batch's forward, if it ran one
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
@@ -196,7 +206,7 @@ class TargetModelRunner:
             raise
         for b in batch:
             b.session.extend(b.feed)
-        self.last_forward = (sum(len(b.feed) for b in batch), forward_ms)
+        self.last_forward = ForwardCost(sum(len(b.feed) for b in batch), sum(b.committed_feed for b in batch), forward_ms)
         return logits, forward_ms
 
     @staticmethod

@@ -184,7 +184,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         outcomes = runner.run_batch(list(calls.values()), self._most_tokens(runner, calls.values()))
         ended_ns = time.time_ns()
         if runner.last_forward is not None:
-            self._pacer.observe(*runner.last_forward)
+            self._pacer.observe(runner.last_forward)
         for (i, call), outcome in zip(calls.items(), outcomes):
             if isinstance(outcome, VerifyOutcome):
                 committed = call.start + len(call.tokens)

@@ -13,27 +13,27 @@ from specd.sampling import SamplingSettings
 from specd.session_cache import SessionStore
 from target_service.config import TargetConfig
 from target_service.prefill_pacing import MIN_TOKENS, PrefillPacer
-from target_service.runner import MIN_CHUNK, PrefillCall, TargetModelRunner, VerifyCall
+from target_service.runner import MIN_CHUNK, ForwardCost, PrefillCall, TargetModelRunner, VerifyCall
 
 GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 
 
 def test_no_budget_sets_no_limit():
     pacer = PrefillPacer(0.0, 256)
-    pacer.observe(100, 500.0)
+    pacer.observe(ForwardCost(100, 100, 500.0))
     assert pacer.most_tokens() is None
 
 
-def test_the_budget_in_tokens_follows_the_latest_forwards():
+def test_the_budget_in_tokens_follows_the_latest_forwards_that_cached_a_prompt():
     pacer = PrefillPacer(200.0, 256)
     assert pacer.most_tokens() == 256  # nothing measured yet
-    pacer.observe(100, 400.0)  # 4 ms a token
+    pacer.observe(ForwardCost(100, 96, 400.0))  # 4 ms a token
     assert pacer.most_tokens() == 50
-    pacer.observe(MIN_TOKENS - 1, 9000.0)  # a short forward is mostly fixed cost: not counted
+    pacer.observe(ForwardCost(80, 16, 120.0))  # 16 sessions' verifies: cheap a token, but no prompt
     assert pacer.most_tokens() == 50
-    pacer.observe(100, 200.0)  # 2 ms a token: the estimate moves halfway, to 3
+    pacer.observe(ForwardCost(100, 100, 200.0))  # 2 ms a token: the estimate moves halfway, to 3
     assert pacer.most_tokens() == 66
-    pacer.observe(40, 4000.0)  # a slow stretch (100 ms a token): never fewer than MIN_TOKENS
+    pacer.observe(ForwardCost(40, 40, 4000.0))  # a slow stretch (100 ms a token): never fewer than MIN_TOKENS
     assert pacer.most_tokens() == MIN_TOKENS
 
 
@@ -60,8 +60,8 @@ def test_alone_a_long_catch_up_is_cut_to_the_limit(runners, long_call):
     call = VerifyCall("long", 0, prompt, [40, 41], [], GREEDY, True) if long_call == "verify" else PrefillCall("long", 0, prompt)
     forwards = []
     while (outcome := cut.run_batch([call], 30)[0]) is AGAIN:
-        forwards.append(cut.last_forward[0])
-    forwards.append(cut.last_forward[0])
+        forwards.append(cut.last_forward.fed_tokens)
+    forwards.append(cut.last_forward.fed_tokens)
     want = whole.run_batch([call])[0]
     if long_call == "verify":
         assert forwards == [30, 30, 30, 12]  # 100 committed tokens, then the last 10 with the 2 drafts
@@ -86,7 +86,7 @@ def test_shared_the_short_feeds_go_whole_and_long_catch_ups_share_the_rest(runne
     assert _outcome(results[1]) == _outcome(whole.run_batch([calls[1]])[0])
     assert len(cut.sessions.open("p", 0).cached_tokens) == 28  # (60 - 4) / 2
     assert len(cut.sessions.open("v", 0).cached_tokens) == 28
-    assert cut.last_forward[0] == 60
+    assert cut.last_forward.fed_tokens == 60 and cut.last_forward.committed_tokens == 3 + 28 + 28
     # However full the forward, a cut catch-up progresses by MIN_CHUNK.
     results = cut.run_batch(calls[:1] + calls[2:], 1)
     assert results == [AGAIN, AGAIN]
