@@ -18,7 +18,7 @@ from specd.wire import check_committed, check_token_ids, sampling_from_proto, sa
 from specd.worker_servicer import WorkerServicer, common_info
 from target_service.outcomes import VerifyOutcomes
 from target_service.prefill_pacing import PrefillPacer
-from target_service.runner import PrefillCall, TargetModelRunner, VerifyCall, VerifyOutcome
+from target_service.runner import ForwardCost, PrefillCall, TargetModelRunner, VerifyCall, VerifyOutcome
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
 
@@ -191,7 +191,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
                 self._outcomes.record(call.session_id, committed, outcome_of(outcome))
                 outcome = _Timed(outcome, call, started_ns, ended_ns)
             results[i] = outcome
-        self._observe_forward(results)
+        self._observe_forward(results, runner.last_forward)
         return results
 
     def _most_tokens(self, runner, calls) -> int | None:
@@ -202,15 +202,15 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         sessions = len(runner.sessions) - sum(session_id in runner.sessions for session_id in own) + len(own)
         return self._pacer.most_tokens() if sessions > 1 else None
 
-    def _observe_forward(self, results: list) -> None:
-        """One forward in the metrics: as a verify if it verified anything, else as a prefill."""
-        timed = [r for r in results if isinstance(r, _Timed)]
-        prefilled = [r for r in results if isinstance(r, tuple)]
+    def _observe_forward(self, results: list, forward: ForwardCost | None) -> None:
+        """The batch's forward, if one ran, in the metrics: as a verify if it verified anything,
+        else as a prefill (prompts cached whole, or a chunk of them to run again)."""
+        if forward is None:
+            return
+        timed = sum(isinstance(r, _Timed) for r in results)
+        prefilled = sum(isinstance(r, tuple) for r in results)
         chunks = sum(isinstance(r, Again) for r in results)  # calls that cached a chunk, to run again
-        if timed:
-            self._observe("verify", timed[0].outcome.forward_ms, batch_size=len(timed) + len(prefilled) + chunks)
-        elif prefilled:
-            self._observe("prefill", max(ms for _, ms in prefilled), batch_size=len(prefilled))
+        self._observe("verify" if timed else "prefill", forward.ms, batch_size=timed + prefilled + chunks)
 
     def _record_span(self, timed: _Timed) -> None:
         """The spec_verify span of a verify run on the model thread at the times it ran."""

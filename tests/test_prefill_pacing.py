@@ -99,27 +99,38 @@ def test_shared_the_short_feeds_go_whole_and_long_catch_ups_share_the_rest(runne
 def test_served_prompts_cut_by_a_time_budget_decode_as_uncut(tiny_pair):
     """Through the target worker, with a budget far under any forward's time: a request alone on
     the worker has its prompt cached whole; requests side by side have theirs cached MIN_TOKENS
-    at a time, and every mode's greedy output is what it is uncut."""
+    at a time, and every mode's greedy output is what it is uncut. Every forward is in the
+    target's metrics, those that only cached chunks too."""
     from specd.v1 import coordinator_pb2 as pb
     from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, load_reference, request, running_stack
+    from tests.stack import wait_for
 
     modes = (pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_SSD)
     messages = [request(list(range(30 + i, 30 + i + 70 + 20 * i)), mode=modes[i], max_new_tokens=12, k=3) for i in range(3)]
     with running_stack(*tiny_pair) as stack:
         uncut = [list(stack.stub().Generate(m, timeout=CALL_TIMEOUT_S).token_ids) for m in messages]
-    with running_stack(*tiny_pair, target_overrides={"prefill_chunk_ms": 0.001}) as stack:
-        stub, runner, batches = stack.stub(), stack.target.servicer.runner, []
+    with running_stack(*tiny_pair, target_overrides={"prefill_chunk_ms": 0.001, "metrics_port": 0}) as stack:
+        stub, runner, batches, forwards = stack.stub(), stack.target.servicer.runner, [], []
         run_batch = runner.run_batch
 
         def logged(calls, most_tokens=None):
             results = run_batch(calls, most_tokens)
             batches.append((most_tokens, sum(result is AGAIN for result in results)))
+            forwards.append(runner.last_forward is not None)
             return results
 
         runner.run_batch = logged
         alone = list(stub.Generate(messages[2], timeout=CALL_TIMEOUT_S).token_ids)
         alone_batches = len(batches)
         together = [list(call.result().token_ids) for call in [stub.Generate.future(m, timeout=CALL_TIMEOUT_S) for m in messages]]
+        registry = stack.target.metrics.registry
+
+        def observed() -> float:
+            return sum(registry.get_sample_value("specd_forward_seconds_count", {"op": op}) or 0 for op in ("prefill", "verify"))
+
+        # Every forward in the metrics, those that only cached chunks too (a forward still running
+        # when the last answer came is counted once it ends).
+        assert wait_for(lambda: observed() == sum(forwards), 5.0), (observed(), sum(forwards))
     assert batches[:alone_batches] == [(None, 0)] * alone_batches  # alone: no limit, nothing cut
     cut = [most_tokens for most_tokens, again in batches[alone_batches:] if again]
     assert cut and set(cut) == {MIN_TOKENS}, batches
