@@ -155,6 +155,8 @@ class TargetModelRunner:
         left, at least MIN_CHUNK tokens."""
         each = self._prefill_chunk if len(synced) > 1 and self._prefill_chunk else None
         room = most_tokens
+        if each is None and room is None:  # nothing to cut by: no sort on the forward's way
+            return set()
         chunked = set()
         by_catch_up = sorted(synced, key=lambda i: synced[i].committed_feed)  # stable: the same order on every rank
         for calls_left, i in zip(range(len(by_catch_up), 0, -1), by_catch_up):

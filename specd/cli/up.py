@@ -86,6 +86,12 @@ def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
                 return None
             return sock.getsockname()[1]
 
+        def hold_free() -> int:
+            chosen = hold(0)
+            if chosen is None:
+                raise OSError(f"no free port on {host}")
+            return chosen
+
         ports: dict[str, int] = {}
         if port and hold(port) is None:
             raise PortTaken(f"port {port} on {host} is taken (another `specd up`?); stop what holds it, "
@@ -97,18 +103,11 @@ def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
                     raise PortTaken(f"metrics port {wanted} on {host} ({name}) is taken; choose others with "
                                     f"--metrics-port (the coordinator's; the workers get the next two; 0: free ones, -1: none)")
                 ports[f"metrics-{name}"] = wanted
-        ports.update(coordinator=port or _held_free_port(hold, host), target=_held_free_port(hold, host), draft=_held_free_port(hold, host))
+        ports.update(coordinator=port or hold_free(), target=hold_free(), draft=hold_free())
         if metrics_port == 0:
             for name in ("coordinator", "target", "draft"):
-                ports[f"metrics-{name}"] = _held_free_port(hold, host)
+                ports[f"metrics-{name}"] = hold_free()
         return ports
-
-
-def _held_free_port(hold, host: str) -> int:
-    chosen = hold(0)
-    if chosen is None:
-        raise OSError(f"no free port on {host}")
-    return chosen
 
 
 def check_models(names: list[str]) -> None:
