@@ -1,8 +1,8 @@
 """How many prompt tokens the target's next forward may cache, so that it lasts about a set time.
 
 A forward that caches a long stretch of a prompt holds the model thread for as long as that
-takes: on a CPU, 1,024 tokens after 6,000 cached ones take some 5 s, and every other session's
-verify waits behind it. With a time budget, the runner cuts such a catch-up to the tokens that
+takes: on a CPU, seconds for a 1,024-token worker call (README, "Long prompts"), and every other
+session's verify waits behind it. With a time budget, the runner cuts such a catch-up to the tokens that
 fit (the call runs again for the rest, AGAIN), so that the other sessions' verifies join a
 forward every budget or so, whatever the device: the pacer turns the budget into tokens from
 the milliseconds per token that the latest forwards caching at least `MIN_TOKENS` committed
