@@ -34,8 +34,13 @@ class DraftWait:
 
 async def answer_within(draft: DraftLink, call: Awaitable[T], wait_s: float) -> T:
     """The draft's answer to `call` if it comes within `wait_s`; else the call is cancelled,
-    the draft marked down, and DraftFailed raised (the round takes its backup)."""
+    the draft marked down, and DraftFailed raised (the round takes its backup).
+
+    Not asyncio.wait_for: on Python 3.11 it returns the answer when the caller is cancelled in
+    the loop turn the answer comes, and drops the cancellation, so a request whose caller went
+    away decoded on to its end (its sessions held all the while). asyncio.timeout keeps it."""
     try:
-        return await asyncio.wait_for(call, wait_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(wait_s):
+            return await call
+    except TimeoutError:
         raise DraftFailed(draft.timed_out(wait_s)) from None

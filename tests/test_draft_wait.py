@@ -49,3 +49,24 @@ def test_a_draft_that_does_not_answer_in_time_is_down_without_any_round_waiting(
             await draft.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 10.0))
+
+
+def test_a_request_cancelled_as_the_draft_answers_stays_cancelled():
+    """The caller went away in the same loop turn as the draft's answer came: the round must
+    end, not go on with the answer (on Python 3.11, asyncio.wait_for returned the answer and
+    dropped the cancellation, and the cancelled request decoded to its end)."""
+
+    async def scenario() -> None:
+        draft = DraftLink("127.0.0.1:1", timeout_s=30.0, retry_s=0.05)
+        try:
+            answer: asyncio.Future = asyncio.get_running_loop().create_future()
+            waiting = asyncio.ensure_future(answer_within(draft, answer, 5.0))
+            await asyncio.sleep(0)  # the round now waits for the draft
+            answer.set_result("drafted")
+            waiting.cancel()  # before the loop's next turn, when the answer would be taken
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        finally:
+            await draft.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10.0))
