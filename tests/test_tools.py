@@ -7,6 +7,7 @@ not checked here, only that the tools run and say what they measured.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -125,3 +126,52 @@ def test_measure_long_prompts_times_chats_beside_a_long_prompt(tiny_pair, tmp_pa
     beside = run.stdout.splitlines()[-1]
     assert beside.startswith("a 32-token chat (sd) alone: ") and "beside a 150-token prompt (ssd), one after another: " in beside
     assert beside.count(" s") >= 3 and "the long prompt" in beside, run.stdout
+
+
+EXACTNESS_PROMPTS = ["def main():\n", [{"role": "user", "content": "Read a line."}]]
+
+
+def _exactness_prompts(tmp_path) -> pathlib.Path:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(EXACTNESS_PROMPTS))
+    return prompts
+
+
+def test_check_exactness_finds_the_stack_exact_and_counts_its_rounds(tiny_pair, tmp_path):
+    """The target's EOS is a token it writes for the code prompt, so that prompt ends there, as
+    transformers' generate ends it (the EOS included)."""
+    from tests.conftest import copy_target, greedy_reference, load_reference, running_stack
+
+    model, tokenizer = load_reference(tiny_pair[0])
+    ends_code = greedy_reference(model, tokenizer.encode(EXACTNESS_PROMPTS[0]), 12)[3]
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    target = copy_target(tiny_pair[0], tmp_path / "chat_target", eos_token_ids=[ends_code], chat_template=template)
+    report = tmp_path / "report.json"
+    with running_stack(target, tiny_pair[1]) as stack:
+        run = _run("tools/check_exactness.py", "--address", stack.address, "--prompts-file", str(_exactness_prompts(tmp_path)),
+                   "--reference", target, "--max-new-tokens", "12", "--json", str(report), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    lines = run.stdout.splitlines()
+    for mode in ("off", "sd", "ssd"):
+        assert any(line.startswith(f"{mode}: 2 of 2 identical, 0 near-tie, 0 diverge; tokens per round code ") for line in lines), run.stdout
+    assert lines[-1] == "greedy outputs exact: yes"
+    modes = json.loads(report.read_text())["modes"]
+    assert modes["off"]["outcomes"][0]["tokens"] <= 4  # it ended at its EOS
+    assert modes["off"]["tokens_per_round"]["all"] == 1.0 and modes["off"]["draft_tokens_per_round"]["all"] == 0.0
+    assert modes["sd"]["draft_tokens_per_round"]["all"] > 0 and modes["sd"]["tokens_per_round"]["all"] >= 1.0
+
+
+def test_check_exactness_fails_against_another_model(tiny_pair, tmp_path):
+    """A reference the stack does not serve (another seed's random weights): its greedy output differs."""
+    from tests.conftest import copy_target, running_stack
+    from tests.tiny_models import save_pair
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    target = copy_target(tiny_pair[0], tmp_path / "chat_target", chat_template=template)
+    other = copy_target(save_pair(tmp_path / "other", seed=7)[0], tmp_path / "chat_other", chat_template=template)
+    with running_stack(target, tiny_pair[1]) as stack:
+        run = _run("tools/check_exactness.py", "--address", stack.address, "--prompts-file", str(_exactness_prompts(tmp_path)),
+                   "--reference", other, "--modes", "off", "--max-new-tokens", "12", timeout=300)
+    assert run.returncode == 1, run.stderr[-3000:] + run.stdout[-3000:]
+    assert "off code prompt 1: diverges at generated position " in run.stdout, run.stdout
+    assert run.stdout.splitlines()[-1].startswith("greedy outputs exact: NO, "), run.stdout
