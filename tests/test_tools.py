@@ -159,6 +159,7 @@ def test_check_exactness_finds_the_stack_exact_and_counts_its_rounds(tiny_pair, 
     assert modes["off"]["outcomes"][0]["tokens"] <= 4  # it ended at its EOS
     assert modes["off"]["tokens_per_round"]["all"] == 1.0 and modes["off"]["draft_tokens_per_round"]["all"] == 0.0
     assert modes["sd"]["draft_tokens_per_round"]["all"] > 0 and modes["sd"]["tokens_per_round"]["all"] >= 1.0
+    assert all(outcome["tokens_per_round"] >= 1.0 for outcome in modes["sd"]["outcomes"])  # each prompt's own
 
 
 def test_check_exactness_fails_against_another_model(tiny_pair, tmp_path):

@@ -146,7 +146,8 @@ def main() -> None:
             response = generate(stub, prompt, mode, args.k, args.max_new_tokens)
             outcome = judge(model, prompt, list(response.token_ids), args.near_tie)
             responses.setdefault(prompt.kind, []).append(response)
-            verdicts.append(dataclasses.asdict(outcome) | {"kind": prompt.kind, "tokens": len(response.token_ids)})
+            own = {"kind": prompt.kind, "tokens": len(response.token_ids), "tokens_per_round": per_round([response])[0]}
+            verdicts.append(dataclasses.asdict(outcome) | own)
             if outcome.verdict != "identical":
                 print(f"{mode} {prompt.kind} prompt {number}: {outcome.verdict} at generated position {outcome.position}"
                       f" (reference top-2 logit gap {outcome.gap:.3g})", flush=True)
