@@ -119,6 +119,29 @@ def per_round(responses: list[pb.GenerateResponse]) -> tuple[float, float]:
     return (1.0 + accepted / rounds, drafted / rounds) if rounds else (0.0, 0.0)
 
 
+def check_mode(stub, model, prompts: list[Prompt], mode: str, k: int, max_new_tokens: int, near_tie: float) -> dict:
+    """Every prompt through the stack in `mode`, judged against the reference; the mode's report."""
+    responses: dict[str, list[pb.GenerateResponse]] = {}
+    outcomes = []
+    for number, prompt in enumerate(prompts, 1):
+        response = generate(stub, prompt, mode, k, max_new_tokens)
+        outcome = judge(model, prompt, list(response.token_ids), near_tie)
+        responses.setdefault(prompt.kind, []).append(response)
+        own = {"kind": prompt.kind, "tokens": len(response.token_ids), "tokens_per_round": per_round([response])[0]}
+        outcomes.append(dataclasses.asdict(outcome) | own)
+        if outcome.verdict != "identical":
+            print(f"{mode} {prompt.kind} prompt {number}: {outcome.verdict} at generated position {outcome.position}"
+                  f" (reference top-2 logit gap {outcome.gap:.3g})", flush=True)
+    counts = {verdict: sum(o["verdict"] == verdict for o in outcomes) for verdict in ("identical", "near-tie", "diverges")}
+    rounds = {kind: per_round(rs) for kind, rs in responses.items()}
+    rounds["all"] = per_round([r for rs in responses.values() for r in rs])
+    print(f"{mode}: {counts['identical']} of {len(prompts)} identical, {counts['near-tie']} near-tie, {counts['diverges']} diverge;"
+          " tokens per round " + ", ".join(f"{kind} {tpr:.3f}" for kind, (tpr, _) in rounds.items())
+          + f" (draft tokens per round {rounds['all'][1]:.2f})", flush=True)
+    return {"outcomes": outcomes, **counts, "tokens_per_round": {kind: tpr for kind, (tpr, _) in rounds.items()},
+            "draft_tokens_per_round": {kind: d for kind, (_, d) in rounds.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", default="127.0.0.1:50051")
@@ -138,28 +161,10 @@ def main() -> None:
         prompts.append(Prompt(kind, ids, greedy_generate(model, ids, args.max_new_tokens)))
     stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(args.address))
 
-    report, diverged = {"prompts": str(args.prompts_file), "k": args.k, "max_new_tokens": args.max_new_tokens, "modes": {}}, 0
+    report = {"prompts": str(args.prompts_file), "k": args.k, "max_new_tokens": args.max_new_tokens, "modes": {}}
     for mode in args.modes.split(","):
-        responses: dict[str, list[pb.GenerateResponse]] = {}
-        verdicts = []
-        for number, prompt in enumerate(prompts, 1):
-            response = generate(stub, prompt, mode, args.k, args.max_new_tokens)
-            outcome = judge(model, prompt, list(response.token_ids), args.near_tie)
-            responses.setdefault(prompt.kind, []).append(response)
-            own = {"kind": prompt.kind, "tokens": len(response.token_ids), "tokens_per_round": per_round([response])[0]}
-            verdicts.append(dataclasses.asdict(outcome) | own)
-            if outcome.verdict != "identical":
-                print(f"{mode} {prompt.kind} prompt {number}: {outcome.verdict} at generated position {outcome.position}"
-                      f" (reference top-2 logit gap {outcome.gap:.3g})", flush=True)
-        counts = {v: sum(o["verdict"] == v for o in verdicts) for v in ("identical", "near-tie", "diverges")}
-        diverged += counts["diverges"]
-        rounds = {kind: per_round(rs) for kind, rs in responses.items()}
-        rounds["all"] = per_round([r for rs in responses.values() for r in rs])
-        report["modes"][mode] = {"outcomes": verdicts, **counts, "tokens_per_round": {kind: tpr for kind, (tpr, _) in rounds.items()},
-                                 "draft_tokens_per_round": {kind: d for kind, (_, d) in rounds.items()}}
-        print(f"{mode}: {counts['identical']} of {len(prompts)} identical, {counts['near-tie']} near-tie, {counts['diverges']} diverge;"
-              " tokens per round " + ", ".join(f"{kind} {tpr:.3f}" for kind, (tpr, _) in rounds.items())
-              + f" (draft tokens per round {rounds['all'][1]:.2f})", flush=True)
+        report["modes"][mode] = check_mode(stub, model, prompts, mode, args.k, args.max_new_tokens, args.near_tie)
+    diverged = sum(entry["diverges"] for entry in report["modes"].values())
     print("greedy outputs exact: " + ("yes" if not diverged else f"NO, {diverged} diverge"), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
