@@ -22,6 +22,10 @@ SCRIPTS = sorted(
 )
 
 
+# A chat template for the tiny target, which has none: chat prompts need one.
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
@@ -117,8 +121,7 @@ def test_measure_long_prompts_times_each_length_in_each_mode(tiny_pair):
 def test_measure_long_prompts_times_chats_beside_a_long_prompt(tiny_pair, tmp_path):
     from tests.conftest import copy_target, running_stack
 
-    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
-    target = copy_target(tiny_pair[0], tmp_path / "chat_target", chat_template=template)
+    target = copy_target(tiny_pair[0], tmp_path / "chat_target", chat_template=CHAT_TEMPLATE)
     with running_stack(target, tiny_pair[1]) as stack:
         run = _run("tools/measure_long_prompts.py", "--address", stack.address, "--lengths", "20", "--beside", "150",
                    "--chats", "2", "--chat-mode", "sd", "--long-mode", "ssd", timeout=300)
@@ -144,8 +147,7 @@ def test_check_exactness_finds_the_stack_exact_and_counts_its_rounds(tiny_pair, 
 
     model, tokenizer = load_reference(tiny_pair[0])
     ends_code = greedy_reference(model, tokenizer.encode(EXACTNESS_PROMPTS[0]), 12)[3]
-    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
-    target = copy_target(tiny_pair[0], tmp_path / "chat_target", eos_token_ids=[ends_code], chat_template=template)
+    target = copy_target(tiny_pair[0], tmp_path / "chat_target", eos_token_ids=[ends_code], chat_template=CHAT_TEMPLATE)
     report = tmp_path / "report.json"
     with running_stack(target, tiny_pair[1]) as stack:
         run = _run("tools/check_exactness.py", "--address", stack.address, "--prompts-file", str(_exactness_prompts(tmp_path)),
@@ -167,9 +169,8 @@ def test_check_exactness_fails_against_another_model(tiny_pair, tmp_path):
     from tests.conftest import copy_target, running_stack
     from tests.tiny_models import save_pair
 
-    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
-    target = copy_target(tiny_pair[0], tmp_path / "chat_target", chat_template=template)
-    other = copy_target(save_pair(tmp_path / "other", seed=7)[0], tmp_path / "chat_other", chat_template=template)
+    target = copy_target(tiny_pair[0], tmp_path / "chat_target", chat_template=CHAT_TEMPLATE)
+    other = copy_target(save_pair(tmp_path / "other", seed=7)[0], tmp_path / "chat_other", chat_template=CHAT_TEMPLATE)
     with running_stack(target, tiny_pair[1]) as stack:
         run = _run("tools/check_exactness.py", "--address", stack.address, "--prompts-file", str(_exactness_prompts(tmp_path)),
                    "--reference", other, "--modes", "off", "--max-new-tokens", "12", timeout=300)
