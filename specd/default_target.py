@@ -72,6 +72,17 @@ def _complete(folder: pathlib.Path) -> bool:
     return (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
 
 
+def load_gguf(source: pathlib.Path):
+    """(model, tokenizer) as transformers loads a GGUF file, the model dequantised to fp32: for the
+    package's file (gguf_file()), the model every exactness promise is made against."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    return model, tokenizer
+
+
 def convert_gguf(source: pathlib.Path, folder: pathlib.Path) -> None:
     """Dequantise `source` to fp32 and save it as a plain HF folder (model, tokenizer, generation config).
 
@@ -80,10 +91,8 @@ def convert_gguf(source: pathlib.Path, folder: pathlib.Path) -> None:
     Written to a temporary folder and renamed, so a killed conversion leaves nothing half done.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    loaded, tokenizer = load_gguf(source)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -26,11 +26,8 @@ CHAT_MESSAGE = "Write a Python function that reverses a string."
 @pytest.fixture(scope="module")
 def reference():
     """The target as transformers loads the package's GGUF file, and the two prompts' greedy outputs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = default_target.gguf_file()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    model, tokenizer = default_target.load_gguf(default_target.gguf_file())
+    model.eval()
     chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MESSAGE}], add_generation_prompt=True, tokenize=False)
     prompts = {"code": tokenizer.encode(CODE_PROMPT), "chat": tokenizer.encode(chat)}
     greedy = {kind: greedy_reference(model, ids, MAX_NEW) for kind, ids in prompts.items()}
