@@ -29,8 +29,10 @@ import sys
 import grpc
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+import draft_data  # noqa: E402
 from specd.modes import mode_value  # noqa: E402
 from specd.v1 import common_pb2  # noqa: E402
 from specd.v1 import coordinator_pb2 as pb  # noqa: E402
@@ -61,17 +63,8 @@ def load_reference(folder: str | None):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
     from specd import default_target
 
-    gguf = default_target.gguf_file()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-
-
-def prompt_ids(entry, tokenizer) -> tuple[str, list[int]]:
-    """(kind, token ids) of one entry of the prompts file."""
-    if isinstance(entry, str):
-        return "code", tokenizer.encode(entry)
-    text = tokenizer.apply_chat_template(entry, add_generation_prompt=True, tokenize=False)
-    return "chat", tokenizer.encode(text)
+    model, tokenizer = default_target.load_gguf(default_target.gguf_file())
+    return model.eval(), tokenizer
 
 
 @torch.inference_mode()
@@ -155,10 +148,10 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load_reference(args.reference or None)
-    prompts = []
-    for entry in json.loads(args.prompts_file.read_text()):
-        kind, ids = prompt_ids(entry, tokenizer)
-        prompts.append(Prompt(kind, ids, greedy_generate(model, ids, args.max_new_tokens)))
+    prompts = [
+        Prompt(kind, ids, greedy_generate(model, ids, args.max_new_tokens))
+        for kind, ids in draft_data.prompts_file_ids(args.prompts_file, tokenizer)
+    ]
     stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(args.address))
 
     report = {"prompts": str(args.prompts_file), "k": args.k, "max_new_tokens": args.max_new_tokens, "modes": {}}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import random
 import re
@@ -193,6 +194,20 @@ def make_prompts(tokenizer, sources: dict[str, str], definitions: list[dict], co
             kind = "code"
         if 0 < len(tokenizer(text)["input_ids"]) <= max_prompt_tokens:
             prompts.append({"kind": kind, "text": text})
+    return prompts
+
+
+def prompts_file_ids(path: Path, tokenizer) -> list[tuple[str, list[int]]]:
+    """(kind, token ids) of each prompt of a JSON list written by hand (the evaluation's, never
+    data): a string is a completion prompt (kind code); a list of messages ({"role", "content"})
+    is a chat, rendered with the tokenizer's chat template (kind chat)."""
+    prompts = []
+    for entry in json.loads(path.read_text()):
+        if isinstance(entry, str):
+            kind, text = "code", entry
+        else:
+            kind, text = "chat", tokenizer.apply_chat_template(entry, add_generation_prompt=True, tokenize=False)
+        prompts.append((kind, tokenizer(text)["input_ids"]))
     return prompts
 
 

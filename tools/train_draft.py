@@ -490,16 +490,11 @@ def heldout_continuations(args, target, tokenizer, eos: set[int]) -> dict[str, l
 
 
 def file_continuations(path: Path, target, tokenizer, new_tokens: int, eos: set[int]) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """The prompts of a JSON list and the target's greedy continuation of each (to its end of turn,
-    `new_tokens` at most). A string is a completion prompt (kind code); a list of messages
-    ({"role", "content"}) is a chat, rendered with the target's chat template (kind chat)."""
+    """The prompts of a JSON list (draft_data.prompts_file_ids) and the target's greedy
+    continuation of each (to its end of turn, `new_tokens` at most), by kind."""
     by_kind: dict[str, list[list[int]]] = {}
-    for entry in json.loads(path.read_text()):
-        if isinstance(entry, str):
-            kind, text = "code", entry
-        else:
-            kind, text = "chat", tokenizer.apply_chat_template(entry, add_generation_prompt=True, tokenize=False)
-        by_kind.setdefault(kind, []).append(tokenizer(text)["input_ids"])
+    for kind, ids in draft_data.prompts_file_ids(path, tokenizer):
+        by_kind.setdefault(kind, []).append(ids)
     continued = {}
     for kind, ids in by_kind.items():
         rows = draft_data.continue_batch(target, ids, new_tokens, 0.0, 1.0, 1, eos, tokenizer.pad_token_id, 0)
