@@ -20,7 +20,6 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # generation_config fields that change what plain decoding emits but that specd
 # does not apply; a checkpoint setting one is served without it, and says so.
 _UNSUPPORTED_PROCESSING = {
-    "repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "encoder_repetition_penalty": 1.0,
     "min_p": None,
@@ -113,14 +112,16 @@ def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
 def default_sampling(model) -> SamplingSettings:
     """What plain `generate` would do with this checkpoint's generation_config."""
     config = getattr(model, "generation_config", None)
-    if config is None or not getattr(config, "do_sample", False):
-        _warn_unsupported(config)
-        return SamplingSettings(temperature=0.0)
     _warn_unsupported(config)
+    penalty = getattr(config, "repetition_penalty", None)
+    penalty = float(penalty) if penalty is not None else 1.0  # greedy decoding applies it too
+    if config is None or not getattr(config, "do_sample", False):
+        return SamplingSettings(temperature=0.0, repetition_penalty=penalty)
     return SamplingSettings(
         temperature=float(config.temperature if config.temperature is not None else 1.0),
         top_k=int(config.top_k or 0),
         top_p=float(config.top_p if config.top_p is not None else 1.0),
+        repetition_penalty=penalty,
     )
 
 

@@ -12,6 +12,7 @@ import enum
 import hashlib
 import math
 import struct
+from typing import Sequence
 
 import torch
 
@@ -31,6 +32,11 @@ class SamplingSettings:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int = 0
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages every token the history holds
+
+    @property
+    def penalizes(self) -> bool:
+        return self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +52,9 @@ def sampling_problem(settings: SamplingSettings) -> str | None:
         return f"top_k must be >= 0 (0 = off), got {settings.top_k}"
     if not 0 < settings.top_p <= 1:  # also refuses NaN
         return f"top_p must lie in (0, 1] (1 = off), got {settings.top_p}"
+    penalty = settings.repetition_penalty
+    if not (math.isfinite(penalty) and penalty > 0):
+        return f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty}"
     return None
 
 
@@ -71,6 +80,29 @@ def keyed_uniforms(seed: int, start: int, count: int, purpose: Purpose) -> torch
     """Uniforms for positions start..start+count-1, as a float64 tensor [count]."""
     values = [keyed_uniform(seed, start + i, purpose) for i in range(count)]
     return torch.tensor(values, dtype=torch.float64)
+
+
+def penalize_repeats(
+    logits: torch.Tensor, history: Sequence[int], row_tokens: Sequence[Sequence[int]], penalty: float
+) -> torch.Tensor:
+    """transformers' repetition penalty, row by row: every token seen before a row's position
+    has its logit divided by `penalty` where positive, multiplied where negative. Row r has seen
+    `history` (the tokens before the first row: the prompt and what was generated) and then
+    `row_tokens[r]` (what it follows past them: the drafts before it, a branch's own tokens).
+
+    logits: [R, V] float32 -> [R, V]. The same elementwise arithmetic as transformers'
+    RepetitionPenaltyLogitsProcessor, so a row equals its result bit for bit. It comes before
+    temperature, top-k and top-p (logits_to_probs), as processors come before warpers there.
+    """
+    rows, vocab = logits.shape
+    seen = torch.zeros(vocab, dtype=torch.bool)  # [V]
+    seen[torch.as_tensor(list(history), dtype=torch.long)] = True
+    seen = seen.expand(rows, vocab).clone()  # [R, V]
+    for row, tokens in enumerate(row_tokens):
+        if len(tokens):
+            seen[row, torch.as_tensor(list(tokens), dtype=torch.long)] = True
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)  # [R, V]
+    return torch.where(seen, penalized, logits)
 
 
 def logits_to_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:

@@ -20,6 +20,9 @@ def sampling_from_proto(message: common_pb2.SamplingParams, defaults: SamplingSe
         top_k=message.top_k if message.HasField("top_k") else defaults.top_k,
         top_p=message.top_p if message.HasField("top_p") else defaults.top_p,
         seed=message.seed if message.HasField("seed") else defaults.seed,
+        repetition_penalty=(
+            message.repetition_penalty if message.HasField("repetition_penalty") else defaults.repetition_penalty
+        ),
     )
     check_sampling(settings)
     return settings
@@ -33,7 +36,8 @@ def check_sampling(settings: SamplingSettings) -> None:
 
 def sampling_to_proto(settings: SamplingSettings) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed
+        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed,
+        repetition_penalty=settings.repetition_penalty,
     )
 
 

@@ -23,7 +23,15 @@ from specd.batcher import AGAIN, Again
 from specd.forward import forward_logits
 from specd.models import LoadedModel
 from specd.packed_forward import Segment, enable_packing
-from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniforms, logits_to_probs, sparse_to_dense
+from specd.sampling import (
+    Purpose,
+    SamplingSettings,
+    SparseDist,
+    keyed_uniforms,
+    logits_to_probs,
+    penalize_repeats,
+    sparse_to_dense,
+)
 from specd.session_cache import Session, SessionStore
 from specd.verify import greedy_verify, rejection_sample
 
@@ -216,6 +224,12 @@ class TargetModelRunner:
         """The ratio test (or greedy match) over one verify's logits [K+1, V]."""
         call, num_draft = joined.call, joined.call.num_draft
         draft = torch.tensor([call.draft_tokens], dtype=torch.long)  # [1, K]
+        raw = logits
+        if call.sampling.penalizes:
+            # Row j follows every committed token and d_1..d_j: the cache holds them all by now.
+            history = joined.session.cached_tokens[: joined.first_position]
+            row_tokens = [call.draft_tokens[:j] for j in range(num_draft + 1)]
+            logits = penalize_repeats(logits, history, row_tokens, call.sampling.repetition_penalty)  # [K+1, V]
         if call.sampling.greedy:
             result = greedy_verify(logits.argmax(-1).unsqueeze(0), draft)
         else:
@@ -229,8 +243,8 @@ class TargetModelRunner:
         logprobs: list[float] = []
         if call.return_logprobs:
             emitted = torch.tensor(call.draft_tokens[:accepted] + [next_token])  # [k+1]
-            raw = logits[: accepted + 1].log_softmax(-1)  # [k+1, V]
-            logprobs = raw.gather(-1, emitted.unsqueeze(-1)).squeeze(-1).tolist()
+            raw_logprobs = raw[: accepted + 1].log_softmax(-1)  # [k+1, V]: the model's own, before any penalty
+            logprobs = raw_logprobs.gather(-1, emitted.unsqueeze(-1)).squeeze(-1).tolist()
         return VerifyOutcome(
             accepted=accepted,
             next_token=next_token,

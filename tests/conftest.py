@@ -9,6 +9,7 @@ import pathlib
 import pytest
 import torch
 
+from specd.sampling import penalize_repeats
 from specd.v1 import common_pb2
 from specd.v1 import coordinator_pb2 as pb
 from tests.stack import ServiceStack
@@ -51,7 +52,7 @@ def load_reference(folder: str):
 
 
 @torch.inference_mode()
-def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
     """Plain transformers greedy decoding of the target alone, run on past any EOS (as ignore_eos does).
 
     Not `min_new_tokens`: that masks the EOS logits, so wherever EOS is the argmax it picks the
@@ -69,6 +70,7 @@ def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int) -> list[
             do_sample=False,
             max_new_tokens=max_new_tokens,
             pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+            **generate_kwargs,
         )
     finally:
         model.generation_config = saved
@@ -83,17 +85,20 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
-def assert_greedy_equal_or_near_tie(model, prompt_ids: list[int], got: list[int], want: list[int]) -> None:
+def assert_greedy_equal_or_near_tie(
+    model, prompt_ids: list[int], got: list[int], want: list[int], repetition_penalty: float = 1.0
+) -> None:
     """Greedy output must equal the reference, except after a near-tie, which is shown here.
 
     At the first divergence the target's top-2 logit gap, from a full forward over the reference
-    prefix, must be below NEAR_TIE; anything else is a bug.
+    prefix (under the request's repetition penalty), must be below NEAR_TIE; anything else is a bug.
     """
     assert len(got) == len(want), f"got {len(got)} tokens, want {len(want)}"
     if got == want:
         return
     first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    logits = full_logits(model, prompt_ids + want[:first])[-1]
+    history = prompt_ids + want[:first]
+    logits = penalize_repeats(full_logits(model, history)[-1:], history, [[]], repetition_penalty)[0]
     top2 = torch.topk(logits, 2)
     gap = float(top2.values[0] - top2.values[1])
     assert gap < NEAR_TIE, (

@@ -118,6 +118,10 @@ CASES = {
     "temperature just under the minimum": (_sampling(temperature=MIN_TEMPERATURE / 2), "temperature"),
     "top_p NaN": (_sampling(temperature=1.0, top_p=float("nan")), "top_p"),
     "top_p inf": (_sampling(temperature=1.0, top_p=float("inf")), "top_p"),
+    "repetition_penalty 0": (_sampling(repetition_penalty=0.0), "repetition_penalty"),
+    "repetition_penalty < 0": (_sampling(temperature=1.0, repetition_penalty=-1.2), "repetition_penalty"),
+    "repetition_penalty NaN": (_sampling(repetition_penalty=float("nan")), "repetition_penalty"),
+    "repetition_penalty inf": (_sampling(repetition_penalty=float("inf")), "repetition_penalty"),
     # Sizes checked before any work is done for them.
     "request_id of 1 MiB": (_set(request_id="r" * (1 << 20)), "request_id"),
     "request_id one byte too long": (_set(request_id="é" * (MAX_ID_BYTES // 2) + "x"), "request_id"),

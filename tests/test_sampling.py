@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from specd.sampling import (
     Purpose,
@@ -13,7 +18,9 @@ from specd.sampling import (
     keyed_uniform,
     keyed_uniforms,
     logits_to_probs,
+    penalize_repeats,
     sample_from_probs,
+    sampling_problem,
     sample_sparse,
     sparse_to_dense,
     truncate_to_top,
@@ -158,3 +165,33 @@ def test_sample_sparse_stays_in_support():
     assert sample_sparse(dist, 0.5) == 9
     assert sample_sparse(dist, _LARGEST_UNIFORM) == 9
     assert all(sample_sparse(dist, u / 100) in (7, 9) for u in range(100))
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7, 2.0])
+def test_penalize_repeats_equals_transformers_row_by_row(penalty):
+    """Row r sees the history and then its own tokens, as transformers' processor sees input_ids
+    [history + row_tokens[r]]: bit for bit, positive and negative logits alike."""
+    generator = torch.Generator().manual_seed(5)
+    vocab = 50
+    logits = torch.randn(4, vocab, generator=generator) * 3  # [R, V]
+    history = [3, 7, 7, 12, 49]
+    row_tokens = [[], [20], [20, 3], [21, 0, 21]]
+    got = penalize_repeats(logits, history, row_tokens, penalty)
+    for row, tokens in enumerate(row_tokens):
+        input_ids = torch.tensor([history + tokens])  # [1, L]
+        want = RepetitionPenaltyLogitsProcessor(penalty)(input_ids, logits[row : row + 1].clone())[0]
+        assert torch.equal(got[row], want), row
+    untouched = torch.ones(vocab, dtype=torch.bool)
+    untouched[history + [20, 21, 0]] = False
+    assert torch.equal(got[:, untouched], logits[:, untouched])
+    assert not torch.equal(got[0, history], logits[0, history])
+
+
+@pytest.mark.parametrize("penalty", [0.0, -1.0, float("nan"), float("inf")])
+def test_sampling_problem_names_a_bad_repetition_penalty(penalty):
+    assert "repetition_penalty" in sampling_problem(SamplingSettings(repetition_penalty=penalty))
+
+
+def test_a_penalty_of_one_is_off():
+    assert not SamplingSettings().penalizes and SamplingSettings(repetition_penalty=1.2).penalizes
+    assert sampling_problem(SamplingSettings(repetition_penalty=0.5)) is None

@@ -67,8 +67,35 @@ def test_branches_equal_proposals_under_a_sliding_window(windowed_runner, temper
     _assert_branches_equal_proposals(windowed_runner, 4, 4, temperature)
 
 
-def _assert_branches_equal_proposals(runner, num_draft: int, num_tokens: int, temperature: float, prompt: list[int] = PROMPT) -> None:
-    sampling = SamplingSettings(temperature=temperature, top_p=0.9 if temperature else 1.0, seed=1234)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_branches_equal_proposals_under_a_repetition_penalty(runner, temperature):
+    """Each branch and each guess is penalised over its own history, as a Propose after it is."""
+    _assert_branches_equal_proposals(runner, 4, 4, temperature, repetition_penalty=1.8)
+
+
+def test_proposals_apply_the_repetition_penalty_as_transformers_does(runner, tiny_pair):
+    """A greedy Propose under a penalty drafts what the draft model alone decodes under it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1], dtype=torch.float32)
+    prompt = PROMPT * 3  # repeats, for the penalty to act on
+    wanted = {}
+    for penalty in (1.0, 1.8):
+        output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                do_sample=False, max_new_tokens=12, repetition_penalty=penalty, pad_token_id=0)
+        wanted[penalty] = output[0, len(prompt):].tolist()
+        _fresh(runner, "penalised", prompt)
+        proposal = runner.propose("penalised", 0, prompt, 12, SamplingSettings(repetition_penalty=penalty), 0)
+        assert proposal.draft_tokens == wanted[penalty], penalty
+    assert wanted[1.8] != wanted[1.0], "the penalty changed nothing here: the test would pass with it ignored"
+
+
+def _assert_branches_equal_proposals(
+    runner, num_draft: int, num_tokens: int, temperature: float, prompt: list[int] = PROMPT, repetition_penalty: float = 1.0
+) -> None:
+    sampling = SamplingSettings(
+        temperature=temperature, top_p=0.9 if temperature else 1.0, seed=1234, repetition_penalty=repetition_penalty
+    )
     _fresh(runner, "tree", prompt)
     drafts = runner.propose("tree", 0, prompt, num_draft, sampling, 0).draft_tokens if num_draft else []
     fanout = [2] * num_draft + [3]

@@ -177,3 +177,18 @@ def test_check_exactness_fails_against_another_model(tiny_pair, tmp_path):
     assert run.returncode == 1, run.stderr[-3000:] + run.stdout[-3000:]
     assert "off code prompt 1: diverges at generated position " in run.stdout, run.stdout
     assert run.stdout.splitlines()[-1].startswith("greedy outputs exact: NO, "), run.stdout
+
+
+def test_check_exactness_under_a_repetition_penalty(tiny_pair, tmp_path):
+    """--repetition-penalty goes to the stack and to the reference's generate alike."""
+    from tests.conftest import copy_target, running_stack
+
+    target = copy_target(tiny_pair[0], tmp_path / "chat_target", chat_template=CHAT_TEMPLATE)
+    report = tmp_path / "report.json"
+    with running_stack(target, tiny_pair[1]) as stack:
+        run = _run("tools/check_exactness.py", "--address", stack.address, "--prompts-file", str(_exactness_prompts(tmp_path)),
+                   "--reference", target, "--max-new-tokens", "24", "--repetition-penalty", "1.5", "--json", str(report),
+                   timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert run.stdout.splitlines()[-1] == "greedy outputs exact: yes"
+    assert json.loads(report.read_text())["repetition_penalty"] == 1.5

