@@ -16,6 +16,7 @@ from coordinator.draft_wait import DraftWait, answer_within
 from coordinator.load import UNLIMITED, SpeculationLoad
 from coordinator.payoff import SpeculationPayoff
 from coordinator.round_trace import RoundTrace
+from coordinator.speculation_gain import SpeculationGain
 from coordinator.draft_link import DraftFailed, DraftLink
 from coordinator.target_link import TargetLink
 from coordinator.workers import WorkerSession
@@ -40,7 +41,9 @@ class Generation:
     trace: RoundTrace = dataclasses.field(default_factory=RoundTrace)  # the request's round spans
     target_prefill: asyncio.Future | None = None  # the prompt's prefill, until round 0 awaits it
     draft_wait: DraftWait = dataclasses.field(default_factory=DraftWait)  # how long a round waits for the draft
-    load: SpeculationLoad = UNLIMITED  # how much to speculate with this many requests running
+    # How much to speculate with this many requests running (and, for `auto`, whether it pays:
+    # a SpeculationGain, coordinator/speculation_gain.py).
+    load: SpeculationLoad | SpeculationGain = UNLIMITED
     payoff: SpeculationPayoff | None = None  # greedy sd under load: the K that pays (else the load's)
     target_session: WorkerSession = dataclasses.field(init=False)
     draft_session: WorkerSession = dataclasses.field(init=False)

@@ -15,6 +15,7 @@ from opentelemetry import trace
 from coordinator.admission import Admission, Place, running_limit
 from coordinator.load import UNLIMITED, SpeculationLoad
 from coordinator.payoff import RoundCosts, SpeculationPayoff
+from coordinator.speculation_gain import RoundClock, SpeculationGain
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait
 from coordinator.output import Chunk, Finish, RequestOutput, settle_text
@@ -108,10 +109,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
         rounds = self._rounds(gen)
+        gain = RoundClock(gen.load) if isinstance(gen.load, SpeculationGain) else None
         self.decoding += 1
         try:
             async for result in rounds:
                 stats.add(result)
+                if gain is not None:
+                    gain.observe(result)
                 yield await self._commit(gen, result, output)
                 if output.done:
                     break
@@ -132,6 +136,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         facts = self._ready_facts()
         mode = self._run_mode(request.mode)
         load = self._load(mode, request.sampling)
+        if request.mode == AUTO and mode != OFF:  # the server picks: speculation only where it pays
+            load = SpeculationGain(load)
         return Generation(
             session_id=uuid.uuid4().hex,
             committed=list(request.prompt_ids),

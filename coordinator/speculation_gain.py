@@ -1,0 +1,125 @@
+"""Whether speculation pays for one request, measured on it: `auto` decodes target-only where it does not.
+
+A draft proposes what it learnt from the target's own output. Where a request's text is unlike
+that (a repetition penalty reshapes every distribution the draft learnt; text in a language or a
+style it never saw; a high temperature), few drafted tokens are accepted, and a round of
+speculation (the draft's work, a verify of K + 1 tokens) can cost more than the tokens it yields:
+the request then decodes slower than the target alone would (README, "Calling Generate": the
+default pair under a repetition penalty of 1.2).
+
+So a request whose mode is `auto` measures both on itself. It speculates for a window of rounds,
+then decodes a few rounds target-only (a probe), and compares the tokens per second of the two
+stretches (the first round of each left out: it pays for the switch, a draft catching up or a
+tree not yet built). While speculation wins, each window before the next probe is GROWTH times
+the last (up to MAX_WINDOW rounds), so a request it pays for spends little time probing. While
+target-only wins, the request decodes target-only for a window that grows likewise, then
+probes speculation again. The decision is the request's own: its text is what decides.
+A request that names a mode gets that mode in every round (the load policy aside, load.py).
+
+Greedy output does not depend on which rounds speculate (the exactness contract); sampled output
+follows the target's distribution in every round either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from coordinator.load import SpeculationLoad
+
+FIRST_WINDOW = 16  # speculative rounds before the first probe
+MAX_WINDOW = 256  # the longest a request goes between probes
+GROWTH = 4  # each window the same kind wins, over the last: 16, 64, 256 rounds
+OFF_PROBE = 4  # target-only rounds in a probe (the first one not measured): their cost hardly varies
+SPECULATION_PROBE = 8  # speculative rounds in a probe (the first one not measured): acceptance varies
+
+
+@dataclasses.dataclass
+class _Stretch:
+    """Consecutive rounds of one kind: how many are left, and what the measured ones yielded."""
+
+    speculates: bool
+    rounds_left: int
+    seen: int = 0
+    tokens: int = 0
+    ms: float = 0.0
+
+    def rate(self) -> float | None:
+        """Tokens per ms over the measured rounds; None before any."""
+        return self.tokens / self.ms if self.ms > 0 else None
+
+
+class SpeculationGain:
+    """A request's draft tokens and tree budget per round, as its SpeculationLoad gives them, or
+    none while target-only decoding is measured to be faster for it (or is being probed)."""
+
+    def __init__(self, load: SpeculationLoad, first_window: int | None = None):
+        self.load = load
+        self.running = load.running
+        self._window = first_window or FIRST_WINDOW  # the current main stretch's length
+        self._stretch = _Stretch(True, self._window)
+        self._probing = False
+        self._rates = {True: None, False: None}  # the latest measured rate of each kind
+        self.switches = 0  # times the request went from one kind of round to the other
+
+    @property
+    def speculates(self) -> bool:
+        """Whether the request's rounds draft now (as the load allows)."""
+        return self._stretch.speculates
+
+    def k(self, asked: int) -> int:
+        return self.load.k(asked) if self._stretch.speculates else 0
+
+    def budget(self, asked: int) -> int:
+        return self.load.budget(asked) if self._stretch.speculates else 0
+
+    def observe(self, drafted: bool, tokens: int, wall_ms: float) -> None:
+        """A round ended: whether it drafted, the tokens it yielded and the wall time since the
+        previous round ended. A round of the other kind (decided before the switch) is not counted."""
+        stretch = self._stretch
+        if drafted == stretch.speculates:
+            if stretch.seen > 0:  # the stretch's first round pays for the switch
+                stretch.tokens += tokens
+                stretch.ms += wall_ms
+            stretch.seen += 1
+        stretch.rounds_left -= 1
+        if stretch.rounds_left <= 0:
+            self._next_stretch()
+
+    def _next_stretch(self) -> None:
+        done = self._stretch
+        rate = done.rate()
+        if rate is not None:
+            self._rates[done.speculates] = rate
+        if not self._probing:  # a main stretch ended: probe the other kind
+            self._start(not done.speculates, OFF_PROBE if done.speculates else SPECULATION_PROBE, probing=True)
+            return
+        speculation, plain = self._rates[True], self._rates[False]
+        if speculation is None or plain is None:  # nothing to compare (the probe's rounds ran the other kind)
+            winner = not done.speculates
+        else:
+            winner = speculation >= plain
+        # The kind that ran before the probe wins again: its stretches grow; else the other's start anew.
+        self._window = min(MAX_WINDOW, self._window * GROWTH) if winner != done.speculates else FIRST_WINDOW
+        self._start(winner, self._window, probing=False)
+
+    def _start(self, speculates: bool, rounds: int, probing: bool) -> None:
+        if speculates != self._stretch.speculates:
+            self.switches += 1
+        self._stretch = _Stretch(speculates, rounds)
+        self._probing = probing
+
+
+class RoundClock:
+    """Feeds a request's SpeculationGain each round as it ends: whether it drafted, its tokens,
+    and the wall time since the round before it ended (rounds overlap in ssd: the time between
+    their ends is what the request's throughput is made of)."""
+
+    def __init__(self, gain: SpeculationGain):
+        self.gain = gain
+        self._last = time.perf_counter()
+
+    def observe(self, result) -> None:
+        now = time.perf_counter()
+        self.gain.observe(result.num_draft > 0, len(result.tokens), (now - self._last) * 1000.0)
+        self._last = now

@@ -1,0 +1,90 @@
+"""coordinator/speculation_gain.py: an `auto` request measures whether speculation pays for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.load import SpeculationLoad
+from coordinator.speculation_gain import FIRST_WINDOW, MAX_WINDOW, OFF_PROBE, SPECULATION_PROBE, SpeculationGain
+from specd.v1 import coordinator_pb2 as pb
+from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
+
+K = 4
+SPECULATIVE_MS, PLAIN_MS = 60.0, 40.0  # a speculative round and a target-only one
+
+
+def _run(gain: SpeculationGain, rounds: int, speculative_tokens: float) -> list[bool]:
+    """Rounds as the request's loop runs them (drafting while k > 0); which of them drafted."""
+    drafted = []
+    for _ in range(rounds):
+        speculates = gain.k(K) > 0
+        drafted.append(speculates)
+        tokens, ms = (speculative_tokens, SPECULATIVE_MS) if speculates else (1, PLAIN_MS)
+        gain.observe(speculates, tokens, ms)
+    return drafted
+
+
+def test_speculation_that_pays_is_probed_ever_more_rarely():
+    gain = SpeculationGain(SpeculationLoad(0))
+    drafted = _run(gain, 2000, speculative_tokens=3)  # 50 tokens/s speculating against 25 plain
+    plain_rounds = [i for i, d in enumerate(drafted) if not d]
+    assert plain_rounds[:OFF_PROBE] == list(range(FIRST_WINDOW, FIRST_WINDOW + OFF_PROBE))  # the first probe
+    assert len(plain_rounds) < 0.05 * len(drafted)
+    longest = max(len(run) for run in "".join("s" if d else "." for d in drafted).split("."))
+    assert longest == MAX_WINDOW
+
+
+def test_speculation_that_does_not_pay_turns_itself_off_and_is_probed_again():
+    gain = SpeculationGain(SpeculationLoad(0))
+    drafted = _run(gain, 2000, speculative_tokens=1.2)  # 20 tokens/s speculating against 25 plain
+    assert all(drafted[:FIRST_WINDOW]) and not any(drafted[FIRST_WINDOW : FIRST_WINDOW + OFF_PROBE])
+    assert sum(drafted) < 0.1 * len(drafted)
+    after = drafted[FIRST_WINDOW + OFF_PROBE :]
+    assert not any(after[:FIRST_WINDOW]) and all(after[FIRST_WINDOW : FIRST_WINDOW + SPECULATION_PROBE])  # probed again
+
+
+def test_a_request_whose_text_changes_follows_it():
+    gain = SpeculationGain(SpeculationLoad(0))
+    _run(gain, 600, speculative_tokens=1.2)
+    assert not gain.k(K)
+    drafted = _run(gain, 1200, speculative_tokens=3.5)  # now the draft is right: it speculates again
+    assert sum(drafted[-400:]) > 380
+
+
+def test_the_load_policy_still_caps_it():
+    gain = SpeculationGain(SpeculationLoad(1, running=lambda: 5))  # past twice the limit: no drafting
+    assert gain.k(K) == 0 and gain.budget(6) == 0
+    assert SpeculationGain(SpeculationLoad(1, running=lambda: 2)).k(K) == K // 2
+
+
+def test_the_first_round_of_a_stretch_is_not_measured():
+    gain = SpeculationGain(SpeculationLoad(0), first_window=3)
+    gain.observe(True, 100, 1.0)  # the switch's round: a huge rate that must not count
+    gain.observe(True, 1, 100.0)
+    gain.observe(True, 1, 100.0)
+    assert gain.k(K) == 0  # the probe
+    for _ in range(OFF_PROBE):
+        gain.observe(False, 1, 40.0)
+    assert gain.k(K) == 0, "0.01 tokens/ms speculating lost to 0.025 plain"
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_auto_requests_switching_between_kinds_stay_exact(tiny_pair, monkeypatch, penalty):
+    """Windows of a few rounds, so that an auto request switches many times in 48 tokens: its
+    greedy output is the target's alone whichever rounds drafted."""
+    import coordinator.speculation_gain as speculation_gain
+
+    monkeypatch.setattr(speculation_gain, "FIRST_WINDOW", 3)
+    monkeypatch.setattr(speculation_gain, "OFF_PROBE", 2)
+    monkeypatch.setattr(speculation_gain, "SPECULATION_PROBE", 2)
+    model, tokenizer = load_reference(tiny_pair[0])
+    with running_stack(*tiny_pair) as stack:
+        stub = stack.stub()
+        for text in ("def add(a, b):", "The quick brown fox"):
+            ids = tokenizer.encode(text)
+            message = request(ids, mode=pb.SPECULATION_MODE_AUTO, k=K, max_new_tokens=48)
+            message.sampling.repetition_penalty = penalty
+            response = stub.Generate(message, timeout=CALL_TIMEOUT_S)
+            want = greedy_reference(model, ids, 48, repetition_penalty=penalty)
+            assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want, repetition_penalty=penalty)
+            assert 0 < response.stats.draft_tokens < K * (response.stats.rounds - 1), "no round, or every round, drafted"
