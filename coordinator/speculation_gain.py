@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from coordinator.load import SpeculationLoad
+
+if TYPE_CHECKING:  # coordinator.rounds imports this module
+    from coordinator.rounds import RoundResult
 
 FIRST_WINDOW = 16  # speculative rounds before the first probe
 MAX_WINDOW = 256  # the longest a request goes between probes
@@ -60,12 +64,6 @@ class SpeculationGain:
         self._stretch = _Stretch(True, self._window)
         self._probing = False
         self._rates = {True: None, False: None}  # the latest measured rate of each kind
-        self.switches = 0  # times the request went from one kind of round to the other
-
-    @property
-    def speculates(self) -> bool:
-        """Whether the request's rounds draft now (as the load allows)."""
-        return self._stretch.speculates
 
     def k(self, asked: int) -> int:
         return self.load.k(asked) if self._stretch.speculates else 0
@@ -104,8 +102,6 @@ class SpeculationGain:
         self._start(winner, self._window, probing=False)
 
     def _start(self, speculates: bool, rounds: int, probing: bool) -> None:
-        if speculates != self._stretch.speculates:
-            self.switches += 1
         self._stretch = _Stretch(speculates, rounds)
         self._probing = probing
 
@@ -119,7 +115,7 @@ class RoundClock:
         self.gain = gain
         self._last = time.perf_counter()
 
-    def observe(self, result) -> None:
+    def observe(self, result: RoundResult) -> None:
         now = time.perf_counter()
         self.gain.observe(result.num_draft > 0, len(result.tokens), (now - self._last) * 1000.0)
         self._last = now

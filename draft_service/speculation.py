@@ -198,7 +198,7 @@ class _TreeDraft:
     saguaro_c: float
     saguaro_fanout: list[int]  # per tree step; past its end, no reshaping
     copier: Copier  # copy drafting over the committed tokens
-    committed: list[int]
+    committed: list[int]  # what every branch's repetition penalty counts before its own tokens
 
     def dists(self, step: int, logits: torch.Tensor, histories: list[list[int]]) -> list[SparseDist]:
         """Each row's q'; histories[b]: row b's tokens after the committed ones, the one it feeds included."""
