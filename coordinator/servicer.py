@@ -115,7 +115,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async for result in rounds:
                 stats.add(result)
                 if gain is not None:
-                    gain.observe(result)
+                    gain.observe(result.num_draft, len(result.tokens))
                 yield await self._commit(gen, result, output)
                 if output.done:
                     break

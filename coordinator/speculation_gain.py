@@ -24,12 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 from coordinator.load import SpeculationLoad
-
-if TYPE_CHECKING:  # coordinator.rounds imports this module
-    from coordinator.rounds import RoundResult
 
 FIRST_WINDOW = 16  # speculative rounds before the first probe
 MAX_WINDOW = 256  # the longest a request goes between probes
@@ -115,7 +111,8 @@ class RoundClock:
         self.gain = gain
         self._last = time.perf_counter()
 
-    def observe(self, result: RoundResult) -> None:
+    def observe(self, num_draft: int, tokens: int) -> None:
+        """A round ended that drafted `num_draft` tokens and yielded `tokens`."""
         now = time.perf_counter()
-        self.gain.observe(result.num_draft > 0, len(result.tokens), (now - self._last) * 1000.0)
+        self.gain.observe(num_draft > 0, tokens, (now - self._last) * 1000.0)
         self._last = now
