@@ -9,7 +9,7 @@ q' is what the draft samples from and reports, so the target's ratio test stays 
 the weight (a token outside the draft's vocabulary may be copied: q' still gives it mass).
 Greedy drafts take q''s argmax: the copy whenever weight >= 0.5, else the model's own token.
 
-Why: a 5-layer draft predicts the stretches an answer quotes from its prompt, or code repeats,
+Why: a small draft predicts the stretches an answer quotes from its prompt, or code repeats,
 worse than a lookup does. Replayed on the recipe's held-out prompts (greedy, K = 4), the committed
 draft's 2.23 tokens per round on code and chat rose to 2.67 with ngram 3 (docs/copy-drafting.md).
 """
