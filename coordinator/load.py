@@ -21,6 +21,11 @@ import dataclasses
 from typing import Callable
 
 
+# Why a speculating request's round went target-only (a round span's specd.round.target_only).
+UNDER_LOAD = "under_load"  # too many requests run at once (this module)
+NO_GAIN = "no_gain"  # an `auto` request measured target-only decoding faster for itself (speculation_gain.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculationLoad:
     max_running: int  # --speculation-max-running; 0: no limit
@@ -40,6 +45,10 @@ class SpeculationLoad:
     def budget(self, asked: int) -> int:
         """ssd: branches per speculation tree under a configured budget of `asked`."""
         return _scaled(asked, self.share())
+
+    def target_only(self) -> str:
+        """Why a round of a speculating request drafts nothing now: UNDER_LOAD, or "" if it drafts."""
+        return UNDER_LOAD if self.share() <= 0.0 else ""
 
 
 def _scaled(asked: int, share: float) -> int:

@@ -190,7 +190,7 @@ class RoundSpan:
             hit = getattr(result, "hit", None)  # ssd rounds: looked up in the speculation cache
             if hit is not None:
                 values["cache"] = "hit" if hit else "miss"
-            for key in ("miss", "branches", "backup", "speculate_ms", "verified_ahead", "speculated_early"):
+            for key in ("miss", "branches", "backup", "speculate_ms", "verified_ahead", "speculated_early", "target_only"):
                 if getattr(result, key, None):
                     values[key] = getattr(result, key)
         if cache is not None:

@@ -78,6 +78,7 @@ class RoundResult:
     speculate_ms: float = 0.0  # the draft worker's forwards for those branches
     verified_ahead: bool = False  # the target verified it right after the previous round (VerifyAfter)
     speculated_early: bool = False  # ssd: its tree was started before the previous round's verify answered
+    target_only: str = ""  # why a speculating request's round drafted nothing: load.UNDER_LOAD or load.NO_GAIN
 
 
 def start_target_prefill(gen: Generation, target: TargetLink) -> None:
@@ -123,7 +124,9 @@ async def sd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None
 
 async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None, index: int, remaining: int) -> RoundResult:
     asked = gen.num_speculative_tokens
-    num_draft = min(gen.payoff.k(asked) if gen.payoff is not None else gen.load.k(asked), remaining - 1)
+    allowed = gen.payoff.k(asked) if gen.payoff is not None else gen.load.k(asked)
+    target_only = gen.load.target_only() if gen.mode != OFF and asked > 0 and allowed <= 0 else ""
+    num_draft = min(allowed, remaining - 1)
     if draft is not None:  # a draft whose context is shorter than the target's stops drafting at its end
         num_draft = min(num_draft, draft.room(len(gen.committed)))
     drafted = await _draft_beside_prefill(gen, draft, num_draft)
@@ -148,6 +151,7 @@ async def _sd_round(gen: Generation, target: TargetLink, draft: DraftLink | None
         draft_wait_ms=drafted.wait_ms,
         verify_ms=verify.forward_ms,
         fallback_reason=drafted.fallback,
+        target_only=target_only,
     )
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from coordinator.load import SpeculationLoad
+from coordinator.load import NO_GAIN, SpeculationLoad
 
 FIRST_WINDOW = 16  # speculative rounds before the first probe
 MAX_WINDOW = 256  # the longest a request goes between probes
@@ -66,6 +66,12 @@ class SpeculationGain:
 
     def budget(self, asked: int) -> int:
         return self.load.budget(asked) if self._stretch.speculates else 0
+
+    def target_only(self) -> str:
+        """Why a round drafts nothing now: the load policy's reason if it has one (the round
+        would draft nothing whatever this request measured), else NO_GAIN while target-only
+        decoding runs (a main stretch, or a probe of it)."""
+        return self.load.target_only() or ("" if self._stretch.speculates else NO_GAIN)
 
     def observe(self, drafted: bool, tokens: int, wall_ms: float) -> None:
         """A round ended: whether it drafted, the tokens it yielded and the wall time since the

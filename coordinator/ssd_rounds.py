@@ -59,6 +59,7 @@ class RoundDraft:
     fallback: str = ""  # why the round cannot speculate, if it cannot
     wait_ms: float = 0.0  # what the loop waited on the draft to get it
     speculates: bool = True  # the draft is usable: a Speculate may go beside the verify
+    target_only: str = ""  # why the request's policy has this round draft nothing (coordinator/load.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +161,8 @@ class SsdRequest:
             reason = draft.last_error if draft is not None else "no draft worker is configured"
             return RoundDraft(_NO_DRAFT, fallback=reason, speculates=False)
         k = self._sizing.k
-        if k <= 0:  # many requests run: this round is a plain target step (coordinator/load.py)
-            return RoundDraft(_NO_DRAFT, speculates=False)
+        if k <= 0:  # many requests run, or auto measured target-only faster: a plain target step
+            return RoundDraft(_NO_DRAFT, speculates=False, target_only=gen.load.target_only())
         num_draft = min(k, self.remaining - 1)
         if num_draft <= 0:
             return RoundDraft(_NO_DRAFT)
@@ -267,6 +268,7 @@ class SsdRequest:
             speculate_ms=lookup.speculate_ms,
             verified_ahead=drafted.source == "ahead" and self._ahead.answered_ahead,
             speculated_early=round.speculated_early,
+            target_only=drafted.target_only,
         )
 
     def close(self) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.load import SpeculationLoad
+from coordinator.load import NO_GAIN, UNDER_LOAD, SpeculationLoad
 from coordinator.speculation_gain import FIRST_WINDOW, MAX_WINDOW, OFF_PROBE, SPECULATION_PROBE, SpeculationGain
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
+from tests.tracing import in_memory_tracing
 
 K = 4
 SPECULATIVE_MS, PLAIN_MS = 60.0, 40.0  # a speculative round and a target-only one
@@ -54,7 +55,19 @@ def test_a_request_whose_text_changes_follows_it():
 def test_the_load_policy_still_caps_it():
     gain = SpeculationGain(SpeculationLoad(1, running=lambda: 5))  # past twice the limit: no drafting
     assert gain.k(K) == 0 and gain.budget(6) == 0
-    assert SpeculationGain(SpeculationLoad(1, running=lambda: 2)).k(K) == K // 2
+    assert gain.target_only() == UNDER_LOAD
+    halved = SpeculationGain(SpeculationLoad(1, running=lambda: 2))
+    assert halved.k(K) == K // 2 and halved.target_only() == ""
+
+
+def test_it_says_why_a_round_drafts_nothing():
+    gain = SpeculationGain(SpeculationLoad(0), first_window=3)
+    assert gain.target_only() == ""
+    _run(gain, 3, speculative_tokens=3)
+    assert gain.k(K) == 0 and gain.target_only() == NO_GAIN  # the probe of target-only decoding
+    busy = SpeculationGain(SpeculationLoad(1, running=lambda: 5), first_window=3)
+    _run(busy, 3, speculative_tokens=3)
+    assert busy.target_only() == UNDER_LOAD  # no round would draft, whatever the request measured
 
 
 def test_the_first_round_of_a_stretch_is_not_measured():
@@ -78,7 +91,8 @@ def test_auto_requests_switching_between_kinds_stay_exact(tiny_pair, monkeypatch
     monkeypatch.setattr(speculation_gain, "OFF_PROBE", 2)
     monkeypatch.setattr(speculation_gain, "SPECULATION_PROBE", 2)
     model, tokenizer = load_reference(tiny_pair[0])
-    with running_stack(*tiny_pair) as stack:
+    providers, exporters = in_memory_tracing()
+    with running_stack(*tiny_pair, tracer_providers=providers) as stack:
         stub = stack.stub()
         for text in ("def add(a, b):", "The quick brown fox"):
             ids = tokenizer.encode(text)
@@ -88,3 +102,10 @@ def test_auto_requests_switching_between_kinds_stay_exact(tiny_pair, monkeypatch
             want = greedy_reference(model, ids, 48, repetition_penalty=penalty)
             assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want, repetition_penalty=penalty)
             assert 0 < response.stats.draft_tokens < K * (response.stats.rounds - 1), "no round, or every round, drafted"
+            # Each round the request's measurement took target-only says so on its span.
+            rounds = [s.attributes for s in exporters["coordinator"].get_finished_spans()
+                      if s.name == "spec_round" and s.context.trace_id == int(response.trace_id, 16)]
+            assert len(rounds) == response.stats.rounds
+            paused = [r for r in rounds if r.get("specd.round.target_only") == NO_GAIN]
+            assert paused and all(r["specd.round.num_draft"] == 0 for r in paused)
+            assert all("specd.round.target_only" not in r for r in rounds if r["specd.round.num_draft"] > 0)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from coordinator import servicer as servicer_module
-from coordinator.load import SpeculationLoad
+from coordinator.load import UNDER_LOAD, SpeculationLoad
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
 from tests.stack import count_calls
+from tests.tracing import in_memory_tracing
 
 PROMPT = [5, 17, 42, 99, 7, 3, 11]
 K, NEW = 4, 32
@@ -30,16 +31,17 @@ def test_the_share_falls_with_the_requests_running():
 @pytest.fixture(scope="module")
 def loaded_stack(tiny_pair):
     """A stack whose requests see `forced[0]` requests running, whatever really runs (a
-    callable there is asked each round)."""
+    callable there is asked each round), and its spans' in-memory exporters."""
     forced: list = [1]
+    providers, exporters = in_memory_tracing()
 
     def running() -> int:
         return forced[0]() if callable(forced[0]) else forced[0]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(servicer_module, "SpeculationLoad", lambda max_running, _: SpeculationLoad(max_running, running))
-        with running_stack(*tiny_pair, coordinator_overrides={"speculation_max_running": 1}) as stack:
-            yield stack, forced
+        with running_stack(*tiny_pair, coordinator_overrides={"speculation_max_running": 1}, tracer_providers=providers) as stack:
+            yield stack, forced, exporters
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def reference(tiny_pair):
 
 @pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_SSD])
 def test_a_loaded_server_decodes_target_only_without_calling_the_draft(loaded_stack, reference, mode):
-    stack, forced = loaded_stack
+    stack, forced, exporters = loaded_stack
     model, want = reference
     forced[0] = 3  # past twice the limit of 1
     runner = stack.draft.servicer.runner
@@ -63,10 +65,15 @@ def test_a_loaded_server_decodes_target_only_without_calling_the_draft(loaded_st
     assert not response.stats.fallback_reason  # a policy, not a failure
     assert proposes[0] == speculates[0] == 0
     assert_greedy_equal_or_near_tie(model, PROMPT, list(response.token_ids), want)
+    # Every round's span says why it drafted nothing (the last one could draft nothing anyway).
+    rounds = [s.attributes for s in exporters["coordinator"].get_finished_spans()
+              if s.name == "spec_round" and s.context.trace_id == int(response.trace_id, 16)]
+    assert len(rounds) == response.stats.rounds
+    assert all(r.get("specd.round.target_only") == UNDER_LOAD for r in rounds[:-1])
 
 
 def test_a_busier_server_drafts_half_of_k(loaded_stack, reference):
-    stack, forced = loaded_stack
+    stack, forced, _ = loaded_stack
     model, want = reference
     forced[0] = 2  # past the limit, within twice it
     response = stack.stub().Generate(request(PROMPT, k=K, max_new_tokens=NEW), timeout=CALL_TIMEOUT_S)
@@ -76,7 +83,7 @@ def test_a_busier_server_drafts_half_of_k(loaded_stack, reference):
 
 
 def test_speculation_resumes_when_the_load_falls(loaded_stack, reference):
-    stack, forced = loaded_stack
+    stack, forced, _ = loaded_stack
     model, want = reference
     asked = iter([3] * 6)  # six rounds target-only, which the draft never sees; then load falls
     forced[0] = lambda: next(asked, 1)
@@ -91,7 +98,7 @@ def test_speculation_resumes_when_the_load_falls(loaded_stack, reference):
 def test_a_seeded_sampled_sd_request_keeps_its_k_and_its_output_under_load(loaded_stack):
     """Which positions a sampled sd request drafts decides its output for a seed: load must not
     change it, or the seed would not reproduce the output."""
-    stack, forced = loaded_stack
+    stack, forced, _ = loaded_stack
     message = request(PROMPT, k=K, max_new_tokens=NEW, temperature=1.0, seed=42)
     forced[0] = 1
     quiet = stack.stub().Generate(message, timeout=CALL_TIMEOUT_S)
