@@ -12,7 +12,7 @@ import dataclasses
 import threading
 
 from draft_service.copy_drafting import OFF, CopyDrafting
-from draft_service.speculation import SpeculationResult, build_steps, draft_distributions, penalized, sample_draft_token
+from draft_service.speculation import DraftPenalty, SpeculationResult, build_steps, draft_distributions, sample_draft_token
 from specd.forward import forward_logits, prefill_session
 from specd.lean_llama import lean_or_plain
 from specd.models import LoadedModel
@@ -63,6 +63,7 @@ class DraftModelRunner:
         committed, feed = session.sync(start, tokens)
         support = max_support or self.max_support
         copier = self.copy.over(committed)
+        penalty = DraftPenalty(sampling, committed)
         draft_tokens: list[int] = []
         dists: list[SparseDist] = []
         total_ms = 0.0
@@ -71,7 +72,7 @@ class DraftModelRunner:
             session.extend(feed)
             total_ms += forward_ms
             saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
-            logits = penalized(logits, sampling, committed, [draft_tokens])  # [1, V]
+            logits = penalty.apply(logits, [draft_tokens])  # [1, V]
             dist = draft_distributions(logits, sampling, support, saguaro_c, saguaro_f)[0]
             dist = copier.mix(dist, draft_tokens, sampling.greedy)
             token = sample_draft_token(dist, sampling, len(committed) + i)

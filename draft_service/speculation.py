@@ -28,7 +28,7 @@ from specd.forward import forward_logits
 from specd.kv_cache import croppable
 from specd.packed_forward import Segment
 from specd.saguaro import reshape_sorted
-from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, penalize_repeats, sample_sparse
+from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, penalize_seen, sample_sparse, seen_ids
 from specd.session_cache import Session
 from specd.step_batcher import Job, Step, guarded_step, run_alone
 
@@ -51,14 +51,22 @@ class SpeculationResult:
     forward_ms: float  # step 0 plus the K' tree steps
 
 
-def penalized(logits: torch.Tensor, sampling: SamplingSettings, committed: list[int], row_tokens: list[list[int]]) -> torch.Tensor:
-    """The draft's logits [R, V] under the request's repetition penalty, as the target applies it
-    (row r has seen the committed tokens and then row_tokens[r]); unchanged when there is none.
-    Not needed for exactness (any q is), but a draft that ignored it would propose the repeats
-    the target now turns down."""
-    if not sampling.penalizes:
-        return logits
-    return penalize_repeats(logits, committed, row_tokens, sampling.repetition_penalty)
+class DraftPenalty:
+    """The request's repetition penalty on the draft's logits, as the target applies it, for one
+    job (a Propose, or a tree): the committed tokens' distinct ids are found once, not at each of
+    its steps. Not needed for exactness (any q is), but a draft that ignored the penalty would
+    propose the repeats the target now turns down."""
+
+    def __init__(self, sampling: SamplingSettings, committed: list[int]):
+        self.penalty = sampling.repetition_penalty
+        self.seen = seen_ids(committed) if sampling.penalizes else None  # [S]
+
+    def apply(self, logits: torch.Tensor, row_tokens: list[list[int]]) -> torch.Tensor:
+        """logits [R, V], row r after the committed tokens and then row_tokens[r]; unchanged
+        when the request has no penalty."""
+        if self.seen is None:
+            return logits
+        return penalize_seen(logits, self.seen, row_tokens, self.penalty)
 
 
 def draft_distributions(
@@ -167,7 +175,8 @@ def build_steps(
         Segment(session.cache, fed, kept), lambda: forward_logits(model, session.cache, fed, kept)
     ))  # [K+1, V]
     session.extend(fed)
-    logits = penalized(logits, sampling, committed, [draft_tokens[:j] for j in range(len(draft_tokens) + 1)])  # [K+1, V]
+    penalty = DraftPenalty(sampling, committed)
+    logits = penalty.apply(logits, [draft_tokens[:j] for j in range(len(draft_tokens) + 1)])  # [K+1, V]
     copier = copy.over(committed)
     roots = _guesses(logits, draft_tokens, fanout, [copier.copy_after(draft_tokens[:j]) for j in range(len(fanout))])
     if on_guesses is not None:
@@ -178,7 +187,7 @@ def build_steps(
         return SpeculationResult([], (time.perf_counter() - started) * 1000.0)
     tree = _Tree(model, session, len(committed), roots, num_tokens, draft_tokens)
     assert tree.prefix_len == len(committed) + len(draft_tokens)
-    draft = _TreeDraft(sampling, max_support, saguaro_c, saguaro_fanout or [], copier, committed)
+    draft = _TreeDraft(sampling, max_support, saguaro_c, saguaro_fanout or [], copier, penalty)
     try:
         for step in range(1, num_tokens + 1):
             if cancel is not None and cancel.is_set():
@@ -198,12 +207,12 @@ class _TreeDraft:
     saguaro_c: float
     saguaro_fanout: list[int]  # per tree step; past its end, no reshaping
     copier: Copier  # copy drafting over the committed tokens
-    committed: list[int]  # what every branch's repetition penalty counts before its own tokens
+    penalty: DraftPenalty  # over the committed tokens, before each branch's own
 
     def dists(self, step: int, logits: torch.Tensor, histories: list[list[int]]) -> list[SparseDist]:
         """Each row's q'; histories[b]: row b's tokens after the committed ones, the one it feeds included."""
         saguaro_f = self.saguaro_fanout[step - 1] if step - 1 < len(self.saguaro_fanout) else 0
-        logits = penalized(logits, self.sampling, self.committed, histories)  # [B, V]
+        logits = self.penalty.apply(logits, histories)  # [B, V]
         dists = draft_distributions(logits, self.sampling, self.max_support, self.saguaro_c, saguaro_f)
         return [self.copier.mix(d, h, self.sampling.greedy) for d, h in zip(dists, histories)]
 

@@ -96,8 +96,18 @@ def penalize_repeats(
     Only the seen tokens' columns are touched (a draft's tree step has a few rows over the whole
     vocabulary, and a pass over all of it cost a third of the step).
     """
+    return penalize_seen(logits, seen_ids(history), row_tokens, penalty)
+
+
+def seen_ids(history: Sequence[int]) -> torch.Tensor:
+    """The distinct token ids of `history` [S]: what penalize_seen takes, found once by a caller
+    that penalises many steps after the same history."""
+    return torch.unique(torch.as_tensor(history, dtype=torch.long))
+
+
+def penalize_seen(logits: torch.Tensor, seen: torch.Tensor, row_tokens: Sequence[Sequence[int]], penalty: float) -> torch.Tensor:
+    """penalize_repeats with the history given as its distinct ids (seen_ids): [R, V] -> [R, V]."""
     out = logits.clone()
-    seen = torch.unique(torch.as_tensor(history, dtype=torch.long))  # [S]
     out[:, seen] = _penalized(out[:, seen], penalty)  # [R, S]
     in_history = torch.zeros(logits.shape[-1], dtype=torch.bool)  # [V]
     in_history[seen] = True
