@@ -25,6 +25,9 @@ class DraftConfig(WorkerConfig):
     # Copy drafting (draft_service/copy_drafting.py): +20% tokens per round on the recipe's held-out prompts.
     copy_ngram: int = setting(3, "copy drafting: mix in the token that followed the latest earlier occurrence of the context's last N tokens (0: off)")
     copy_weight: float = setting(0.8, "copy drafting: the copied token's share of q (greedy drafts copy when it is >= 0.5)")
+    copy_max_ngram: int = setting(
+        8, "copy drafting: of the earlier occurrences, copy after the one that matches the most of the context's last tokens, up to N (the latest among equals)"
+    )
     # Bounds on one call's work, so that no caller holds the model thread for long: over 10x the
     # coordinator's default --ssd-budget (12), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
     max_speculate_branches: int = setting(
@@ -35,7 +38,7 @@ class DraftConfig(WorkerConfig):
     )
 
     def copy_drafting(self) -> CopyDrafting:
-        return CopyDrafting(self.copy_ngram, self.copy_weight)
+        return CopyDrafting(self.copy_ngram, self.copy_weight, self.copy_max_ngram)
 
     def validate(self) -> None:
         super().validate()
@@ -44,6 +47,6 @@ class DraftConfig(WorkerConfig):
         try:
             self.copy_drafting()
         except ValueError:
-            raise ConfigError("--copy-ngram must be >= 0 and --copy-weight in [0, 1]") from None
+            raise ConfigError("--copy-ngram and --copy-max-ngram must be >= 0 and --copy-weight in [0, 1]") from None
         if self.max_speculate_branches < 1 or self.max_speculate_depth < 1:
             raise ConfigError("--max-speculate-branches and --max-speculate-depth must be >= 1")

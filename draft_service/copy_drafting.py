@@ -1,7 +1,9 @@
 """Copy drafting: the draft's q mixed with the continuation of an earlier match in the context.
 
 Where the last `ngram` tokens of the history (committed tokens, then what this call has drafted
-after them) occurred earlier, the token that followed them then is copied in:
+after them) occurred earlier, the token that followed them then is copied in (after the
+occurrence that matches the most of the history's last tokens, `max_ngram` at most; the latest
+of those):
 
     q'(x) = (1 - weight) * q(x) + weight * [x == copy]
 
@@ -29,10 +31,11 @@ if TYPE_CHECKING:  # specd.sampling imports torch; the draft's settings (and --h
 class CopyDrafting:
     ngram: int = 0  # 0: off
     weight: float = 0.0  # the copy's share of q'
+    max_ngram: int = 0  # the longest match looked for (below ngram: ngram)
 
     def __post_init__(self):
-        if self.ngram < 0 or not 0.0 <= self.weight <= 1.0:
-            raise ValueError(f"copy drafting needs ngram >= 0 and a weight in [0, 1], got {self.ngram}, {self.weight}")
+        if self.ngram < 0 or self.max_ngram < 0 or not 0.0 <= self.weight <= 1.0:
+            raise ValueError(f"copy drafting needs ngram >= 0, max_ngram >= 0 and a weight in [0, 1], got {self.ngram}, {self.max_ngram}, {self.weight}")
 
     @property
     def enabled(self) -> bool:
@@ -40,7 +43,7 @@ class CopyDrafting:
 
     def over(self, committed: Sequence[int]) -> "Copier":
         """Copy drafting for one call's drafts after `committed`."""
-        return Copier(self, ContextMatcher(committed, self.ngram) if self.enabled else None)
+        return Copier(self, ContextMatcher(committed, self.ngram, self.max_ngram) if self.enabled else None)
 
     def mix(self, dist: SparseDist, copy: int | None, greedy: bool) -> SparseDist:
         """q' from the model's q (`dist`) and the copied token (None: no match, q unchanged)."""

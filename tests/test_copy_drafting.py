@@ -59,6 +59,42 @@ def test_the_lookup_agrees_with_a_brute_force_scan():
         assert ContextMatcher(history[:split], n).next_token(history[split:]) == _reference_next(history, n), (history, n, split)
 
 
+def _reference_longest(history: list[int], n: int, longest: int) -> int | None:
+    """The longest-match lookup by brute force: the latest earlier occurrence of the last m tokens,
+    for the largest m from `longest` down to n that occurs."""
+    for m in range(longest, n - 1, -1):
+        if m < len(history) and (token := _reference_next(history, m)) is not None:
+            return token
+    return None
+
+
+def test_the_occurrence_matching_the_most_tokens_wins_over_a_later_one():
+    history = [4, 1, 2, 3, 9, 5, 1, 2, 3, 8, 4, 1, 2]
+    assert ContextMatcher(history, 2).next_token([3]) == 8  # the latest match of 2 tokens
+    assert ContextMatcher(history, 2, longest=4).next_token([3]) == 9  # "4 1 2 3" matched earlier
+    assert ContextMatcher(history, 2, longest=3).next_token([3]) == 8  # both match 3: the later
+    assert ContextMatcher(history, 2, longest=4).match_end([3]) == 4
+    assert ContextMatcher(history, 3, longest=1).longest == 3  # never below ngram
+
+
+def test_the_longest_match_agrees_with_a_brute_force_scan():
+    rng = random.Random(11)
+    for _ in range(400):
+        history = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+        n = rng.randrange(1, 4)
+        longest = rng.randrange(n, 9)
+        split = rng.randrange(len(history) + 1)
+        found = ContextMatcher(history[:split], n, longest).next_token(history[split:])
+        assert found == _reference_longest(history, n, longest), (history, n, longest, split)
+
+
+def test_copy_drafting_looks_for_the_longest_match_it_is_given():
+    history = [4, 1, 2, 3, 9, 5, 1, 2, 3, 8, 4, 1, 2, 3]
+    assert CopyDrafting(2, 0.8).over(history).copy_after([]) == 8
+    assert CopyDrafting(2, 0.8, max_ngram=4).over(history).copy_after([]) == 9
+    assert DraftConfig().copy_drafting() == CopyDrafting(3, 0.8, 8)
+
+
 def test_q_prime_mixes_the_copy_in():
     q = SparseDist(token_ids=[4, 9, 2], probs=[0.5, 0.3, 0.2])
     copy = CopyDrafting(3, 0.8)
@@ -83,10 +119,14 @@ def test_settings_are_checked():
         CopyDrafting(-1, 0.5)
     with pytest.raises(ValueError):
         CopyDrafting(3, 1.5)
+    with pytest.raises(ValueError):
+        CopyDrafting(3, 0.5, -1)
     assert not CopyDrafting(0, 0.8).enabled and not CopyDrafting(3, 0.0).enabled
     assert (DraftConfig.copy_ngram, DraftConfig.copy_weight) == (3, 0.8)
     with pytest.raises(ConfigError):
         DraftConfig(copy_weight=2.0).validate()
+    with pytest.raises(ConfigError, match="--copy-max-ngram"):
+        DraftConfig(copy_max_ngram=-1).validate()
     with pytest.raises(ConfigError):
         DraftConfig(copy_ngram=-1).validate()
 
@@ -136,7 +176,7 @@ def test_branches_equal_proposals_with_copy_drafting(loaded_draft, num_draft, nu
 
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
-COPYING = dict(copy_ngram=1, copy_weight=0.5)  # copies at almost every step: q' is far from q
+COPYING = dict(copy_ngram=1, copy_weight=0.5, copy_max_ngram=4)  # copies at almost every step: q' is far from q
 TEMPERATURE = 1.0  # the tiny target spreads its mass: a copy gets far more of q' than of p
 
 
@@ -151,7 +191,7 @@ def copying_stack(tiny_pair):
 def test_greedy_output_is_the_targets(copying_stack, tiny_pair, mode):
     model, tokenizer = load_reference(tiny_pair[0])
     ids = tokenizer.encode(PROMPT, add_special_tokens=True)
-    assert copying_stack.draft.servicer.runner.copy == CopyDrafting(COPYING["copy_ngram"], COPYING["copy_weight"])
+    assert copying_stack.draft.servicer.runner.copy == CopyDrafting(COPYING["copy_ngram"], COPYING["copy_weight"], COPYING["copy_max_ngram"])
     response = copying_stack.stub().Generate(request(ids, mode=mode, k=4, max_new_tokens=40), timeout=CALL_TIMEOUT_S)
     assert response.stats.mode == mode and not response.stats.fallback_reason
     assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), greedy_reference(model, ids, 40))

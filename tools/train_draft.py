@@ -517,7 +517,7 @@ def stage_evaluate(args) -> dict:
         heldout = heldout_continuations(args, target, tokenizer, eos)
     # As the draft worker serves it (copy drafting at its defaults), and the draft model alone.
     served = DraftConfig().copy_drafting()
-    report = {"target": NAME, "k": args.eval_k, "copy_ngram": served.ngram, "copy_weight": served.weight,
+    report = {"target": NAME, "k": args.eval_k, "copy_ngram": served.ngram, "copy_max_ngram": served.max_ngram, "copy_weight": served.weight,
               "prompts": str(args.prompts_file) if args.prompts_file else "held-out"}
     report.update(replay_heldout(loaded_draft, heldout, served, args.eval_k, "served"))
     report["draft_alone"] = replay_heldout(loaded_draft, heldout, OFF, args.eval_k, "draft alone")
