@@ -19,8 +19,7 @@ models/smollm2-draft/README.md):
             nothing, see stage_grow) and distilled further, checkpointed the same way; or, with
             --tune-from, an exported draft distilled further on this folder's data, its output
             layer first widened to --draft-vocab ids (stage_tune), or, with --grow-steps too,
-            that draft grown and distilled --grow-steps steps instead, or, with --head-steps,
-            only its widened output layer distilled (stage_tune_head);
+            that draft grown and distilled --grow-steps steps instead;
   export    the committed files: config, its own layers + final norm + head + vocabulary
             (bf16), the target's tokenizer files (run after train, and by it);
   evaluate  greedy tokens per round at K on held-out prompts (code, chat, and requests the
@@ -385,105 +384,6 @@ def distill(args, draft, rows: list[dict], vocab: torch.Tensor, checkpoint: Path
     return draft.cpu()
 
 
-# ------------------------------------------------------------------------- tune the head
-
-
-def stage_tune_head(args, rows: list[dict]):
-    """The exported draft at --tune-from, its output layer widened to --draft-vocab ids and then
-    distilled alone on this folder's data, its layers as they were; returns it tuned.
-
-    With the layers fixed, the final hidden state at every position is computed once
-    (head_inputs), and each step is one product with the output layer: on a CPU, minutes where
-    tuning every weight (stage_tune) takes hours, which is what makes a wider vocabulary cheap to try.
-    """
-    draft, vocab = tune_start(args, rows)
-    inputs = head_inputs(args, draft, rows, vocab)
-    # Another batch seed than train's, grow's and tune's.
-    return distill_head(args, draft, inputs, args.work / "head.ckpt", batch_seed=args.seed + 3)
-
-
-def head_inputs(args, draft, rows: list[dict], vocab: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every position of the rows (as make_batch cuts them): the draft's final hidden state there
-    (after its final norm) and the target's top-k labels in draft-vocabulary indices.
-
-    Cached in --work as head_inputs.pt with the draft and vocabulary it was computed for, and
-    computed again for any other.
-    """
-    path = args.work / "head_inputs.pt"
-    made_for = {"draft": str(Path(args.tune_from).resolve()), "vocab": vocab, "seq": args.seq, "rows": len(rows)}
-    if path.exists():
-        cached = torch.load(path)
-        if cached["made_for"]["draft"] == made_for["draft"] and torch.equal(cached["made_for"]["vocab"], vocab) \
-                and (cached["made_for"]["seq"], cached["made_for"]["rows"]) == (args.seq, len(rows)):
-            return cached
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    draft.to(device).eval()
-    vocab_index = torch.full((target_vocab_size(),), -1, dtype=torch.long)
-    vocab_index[vocab] = torch.arange(len(vocab))
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["generated_ids"]))
-    hidden, label_ids, label_logp = [], [], []
-    started = time.time()
-    with torch.no_grad():
-        for first in range(0, len(order), args.batch):
-            input_ids, labels, logp, mask = make_batch(rows, order[first : first + args.batch], args.seq, vocab_index)
-            states = draft.model(input_ids=input_ids.to(device), attention_mask=mask.long().to(device)).last_hidden_state  # [B, L, H]
-            kept = mask.bool()  # [B, L]
-            hidden.append(states.cpu()[kept])  # [n, H]
-            label_ids.append(labels[kept].int())  # [n, k]
-            label_logp.append(logp[kept])  # [n, k]
-    inputs = {"made_for": made_for, "hidden": torch.cat(hidden), "label_ids": torch.cat(label_ids), "label_logp": torch.cat(label_logp)}
-    draft.cpu()
-    print(f"head inputs: {len(inputs['hidden'])} positions in {time.time() - started:.0f} s", flush=True)
-    torch.save(inputs, path.with_suffix(".partial"))
-    path.with_suffix(".partial").replace(path)
-    return inputs
-
-
-def distill_head(args, draft, inputs: dict[str, torch.Tensor], checkpoint: Path, batch_seed: int):
-    """Fixed-step AdamW distillation of the output layer alone over `inputs` (head_inputs),
-    --head-batch positions a step drawn by a generator seeded by (batch_seed, step); checkpointed
-    at `checkpoint` and resumed from it."""
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    for param in draft.parameters():
-        param.requires_grad_(False)
-    draft.lm_head.to(device)
-    weight = draft.lm_head.weight  # [N, H]
-    weight.requires_grad_(True)
-    optimizer = torch.optim.AdamW([weight], lr=args.head_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    start = 0
-    if checkpoint.exists():
-        saved = torch.load(checkpoint, map_location=device)
-        with torch.no_grad():
-            weight.copy_(saved["head"])
-        optimizer.load_state_dict(saved["optimizer"])
-        start = saved["step"]
-    hidden, label_ids, label_logp = inputs["hidden"], inputs["label_ids"], inputs["label_logp"]
-    positions = len(hidden)
-    started, recent = time.time(), []
-    for step in range(start, args.head_steps):
-        generator = torch.Generator().manual_seed(batch_seed * 1_000_003 + step)
-        picked = torch.randint(0, positions, (args.head_batch,), generator=generator)  # [P]
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.head_steps, args.head_lr, args.warmup)
-        logits = hidden[picked].to(device) @ weight.T  # [P, N]
-        loss = top_k_kl(logits.unsqueeze(0), label_ids[picked].long().unsqueeze(0).to(device),
-                        label_logp[picked].float().unsqueeze(0).to(device), torch.ones(1, len(picked), device=device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        recent.append(loss.item())
-        if (step + 1) % args.log_every == 0:
-            print(f"{checkpoint.stem} step {step + 1}/{args.head_steps} loss {sum(recent) / len(recent):.4f} ({time.time() - started:.1f} s)", flush=True)
-            recent = []
-        if (step + 1) % args.save_every == 0 or step + 1 == args.head_steps:
-            torch.save({"head": weight.detach(), "optimizer": optimizer.state_dict(), "step": step + 1}, checkpoint.with_suffix(".partial"))
-            checkpoint.with_suffix(".partial").replace(checkpoint)
-    weight.requires_grad_(False)
-    return draft.cpu().eval()
-
-
 # ------------------------------------------------------------------------------ export
 
 
@@ -678,11 +578,6 @@ def main(argv=None) -> None:
                              "grown by --grow-layers first)")
     parser.add_argument("--tune-steps", type=int, default=600)
     parser.add_argument("--tune-lr", type=float, default=2e-4)
-    parser.add_argument("--head-steps", type=int, default=0,
-                        help="train with --tune-from: distill only the output layer (widened to --draft-vocab) this "
-                             "many steps, the draft's layers as they are (0: tune every own weight, or grow)")
-    parser.add_argument("--head-lr", type=float, default=1e-3)
-    parser.add_argument("--head-batch", type=int, default=4096, help="positions per step of --head-steps")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--save-every", type=int, default=100)
     # evaluate
@@ -696,15 +591,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.tune_from and args.stage == "vocab":
         parser.error("--tune-from takes the draft's own vocabulary: no vocab stage")
-    if args.head_steps and (args.grow_steps or not args.tune_from):
-        parser.error("--head-steps tunes the output layer of the draft at --tune-from: give --tune-from, and no --grow-steps")
     if args.stage in ("generate", "all"):
         stage_generate(args)
     if args.tune_from and args.stage in ("train", "export", "all"):
         rows = load_rows(args.work)
-        if args.head_steps:  # only its output layer distilled, instead of every own weight
-            stage_export(args, stage_tune_head(args, rows))
-        elif args.grow_steps:  # grown from the exported draft and distilled --grow-steps, instead of tuned
+        if args.grow_steps:  # grown from the exported draft and distilled --grow-steps, instead of tuned
             draft, vocab = tune_start(args, rows)
             stage_export(args, stage_grow(args, rows, vocab, draft))
         else:
