@@ -48,7 +48,7 @@ async def draft_after_miss(gen: Generation, draft: DraftLink, config: Coordinato
 def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the history's longest suffix.
 
-    Tries suffixes of max_ngram tokens down to one; [] when none recurs. The continuation is
+    The suffix is max_ngram tokens at most, one at least; [] when not even the last token recurs. The continuation is
     copied token by token and may run on into the tokens it has just copied, so a stretch that
     repeats with period p (the latest match p tokens back) is guessed to go on repeating for all
     `num_tokens`, instead of the p tokens left before the history ends. Costs no model call, so
@@ -56,11 +56,8 @@ def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> li
     """
     if num_tokens <= 0:
         return []
-    for n in range(min(max_ngram, len(history) - 1), 0, -1):
-        source = ContextMatcher(history, n).match_end()
-        if source is not None:
-            return _copy_forward(history, source, num_tokens)
-    return []
+    source = ContextMatcher(history, 1, longest=max_ngram).match_end()
+    return _copy_forward(history, source, num_tokens) if source is not None else []
 
 
 def _copy_forward(history: list[int], source: int, num_tokens: int) -> list[int]:
