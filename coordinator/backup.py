@@ -48,11 +48,12 @@ async def draft_after_miss(gen: Generation, draft: DraftLink, config: Coordinato
 def prompt_lookup(history: list[int], num_tokens: int, max_ngram: int = 3) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the history's longest suffix.
 
-    The suffix is max_ngram tokens at most, one at least; [] when not even the last token recurs. The continuation is
-    copied token by token and may run on into the tokens it has just copied, so a stretch that
-    repeats with period p (the latest match p tokens back) is guessed to go on repeating for all
-    `num_tokens`, instead of the p tokens left before the history ends. Costs no model call, so
-    a miss loses only the round's acceptance, never a draft forward on the critical path.
+    The suffix is max_ngram tokens at most, one at least; [] when not even the last token
+    recurs. The continuation is copied token by token and may run on into the tokens it has
+    just copied, so a stretch that repeats with period p (the latest match p tokens back) is
+    guessed to go on repeating for all `num_tokens`, instead of the p tokens left before the
+    history ends. Costs no model call, so a miss loses only the round's acceptance, never a
+    draft forward on the critical path.
     """
     if num_tokens <= 0:
         return []

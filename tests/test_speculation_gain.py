@@ -8,7 +8,7 @@ from coordinator.load import NO_GAIN, UNDER_LOAD, SpeculationLoad
 from coordinator.speculation_gain import FIRST_WINDOW, MAX_WINDOW, OFF_PROBE, SPECULATION_PROBE, SpeculationGain
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
-from tests.tracing import in_memory_tracing
+from tests.tracing import in_memory_tracing, round_attributes
 
 K = 4
 SPECULATIVE_MS, PLAIN_MS = 60.0, 40.0  # a speculative round and a target-only one
@@ -103,8 +103,7 @@ def test_auto_requests_switching_between_kinds_stay_exact(tiny_pair, monkeypatch
             assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), want, repetition_penalty=penalty)
             assert 0 < response.stats.draft_tokens < K * (response.stats.rounds - 1), "no round, or every round, drafted"
             # Each round the request's measurement took target-only says so on its span.
-            rounds = [s.attributes for s in exporters["coordinator"].get_finished_spans()
-                      if s.name == "spec_round" and s.context.trace_id == int(response.trace_id, 16)]
+            rounds = round_attributes(exporters["coordinator"], response.trace_id)
             assert len(rounds) == response.stats.rounds
             paused = [r for r in rounds if r.get("specd.round.target_only") == NO_GAIN]
             assert paused and all(r["specd.round.num_draft"] == 0 for r in paused)

@@ -12,7 +12,7 @@ from coordinator.load import UNDER_LOAD, SpeculationLoad
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
 from tests.stack import count_calls
-from tests.tracing import in_memory_tracing
+from tests.tracing import in_memory_tracing, round_attributes
 
 PROMPT = [5, 17, 42, 99, 7, 3, 11]
 K, NEW = 4, 32
@@ -66,8 +66,7 @@ def test_a_loaded_server_decodes_target_only_without_calling_the_draft(loaded_st
     assert proposes[0] == speculates[0] == 0
     assert_greedy_equal_or_near_tie(model, PROMPT, list(response.token_ids), want)
     # Every round's span says why it drafted nothing (the last one could draft nothing anyway).
-    rounds = [s.attributes for s in exporters["coordinator"].get_finished_spans()
-              if s.name == "spec_round" and s.context.trace_id == int(response.trace_id, 16)]
+    rounds = round_attributes(exporters["coordinator"], response.trace_id)
     assert len(rounds) == response.stats.rounds
     assert all(r.get("specd.round.target_only") == UNDER_LOAD for r in rounds[:-1])
 

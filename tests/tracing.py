@@ -20,3 +20,10 @@ def in_memory_tracing() -> tuple[dict[str, TracerProvider], dict[str, InMemorySp
         providers[role] = TracerProvider(resource=telemetry.resource_from_env(telemetry.SERVICE_NAMES[role]))
         providers[role].add_span_processor(SimpleSpanProcessor(exporters[role]))
     return providers, exporters
+
+
+def round_attributes(exporter: InMemorySpanExporter, trace_id: str) -> list[dict]:
+    """The attributes of each spec_round span the exporter holds for one request (its response's
+    hex trace_id), in the order they ended."""
+    wanted = int(trace_id, 16)
+    return [dict(s.attributes) for s in exporter.get_finished_spans() if s.name == "spec_round" and s.context.trace_id == wanted]
