@@ -10,7 +10,10 @@ default pair under a repetition penalty of 1.2).
 So a request whose mode is `auto` measures both on itself. It speculates for a window of rounds,
 then decodes a few rounds target-only (a probe), and compares the tokens per second of the two
 stretches (the first round of each left out: it pays for the switch, a draft catching up or a
-tree not yet built). While speculation wins, each window before the next probe is GROWTH times
+tree not yet built). Until speculation has won a comparison, a speculative stretch whose
+measured rounds yield fewer than FEW_TOKENS tokens a round ends after EARLY_ROUNDS of them and
+goes to the probe at once: such rounds rarely pay, and each costs more than a target-only step.
+While speculation wins, each window before the next probe is GROWTH times
 the last (up to MAX_WINDOW rounds), so a request it pays for spends little time probing. While
 target-only wins, the request decodes target-only for a window that grows likewise, then
 probes speculation again. The decision is the request's own: its text is what decides.
@@ -32,6 +35,13 @@ MAX_WINDOW = 256  # the longest a request goes between probes
 GROWTH = 4  # each window the same kind wins, over the last: 16, 64, 256 rounds
 OFF_PROBE = 4  # target-only rounds in a probe (the first one not measured): their cost hardly varies
 SPECULATION_PROBE = 8  # speculative rounds in a probe (the first one not measured): acceptance varies
+EARLY_ROUNDS = 4  # measured speculative rounds after which a stretch that yields too few tokens ends
+# Tokens per speculative round below which such a stretch ends early. An ssd round of the default
+# pair took 1.5-1.75 times a target-only round on two CPU cores (tools/time_modes.py, 2026-11-29:
+# 53-64 ms against 35-36 ms), so fewer than 1.5 tokens a round lose there whatever the round's
+# other costs. Only the probe comes sooner: it still decides by the rates it measures, and once
+# speculation has won (a verify that costs less, on a GPU), its stretches run their length.
+FEW_TOKENS = 1.5
 
 
 @dataclasses.dataclass
@@ -43,6 +53,11 @@ class _Stretch:
     seen: int = 0
     tokens: int = 0
     ms: float = 0.0
+
+    def yields_few(self) -> bool:
+        """Speculative, and its measured rounds, EARLY_ROUNDS or more, yielded few tokens each."""
+        measured = self.seen - 1
+        return self.speculates and measured >= EARLY_ROUNDS and self.tokens < FEW_TOKENS * measured
 
     def rate(self) -> float | None:
         """Tokens per ms over the measured rounds; None before any."""
@@ -60,6 +75,7 @@ class SpeculationGain:
         self._stretch = _Stretch(True, self._window)
         self._probing = False
         self._rates = {True: None, False: None}  # the latest measured rate of each kind
+        self._speculation_won = False  # the latest comparison's winner was speculation
 
     def k(self, asked: int) -> int:
         return self.load.k(asked) if self._stretch.speculates else 0
@@ -83,7 +99,7 @@ class SpeculationGain:
                 stretch.ms += wall_ms
             stretch.seen += 1
         stretch.rounds_left -= 1
-        if stretch.rounds_left <= 0:
+        if stretch.rounds_left <= 0 or (not self._speculation_won and stretch.yields_few()):
             self._next_stretch()
 
     def _next_stretch(self) -> None:
@@ -99,6 +115,7 @@ class SpeculationGain:
             winner = not done.speculates
         else:
             winner = speculation >= plain
+            self._speculation_won = winner
         # The kind that ran before the probe wins again: its stretches grow; else the other's start anew.
         self._window = min(MAX_WINDOW, self._window * GROWTH) if winner != done.speculates else FIRST_WINDOW
         self._start(winner, self._window, probing=False)

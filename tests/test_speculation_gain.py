@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.load import NO_GAIN, UNDER_LOAD, SpeculationLoad
-from coordinator.speculation_gain import FIRST_WINDOW, MAX_WINDOW, OFF_PROBE, SPECULATION_PROBE, SpeculationGain
+from coordinator.speculation_gain import EARLY_ROUNDS, FIRST_WINDOW, FEW_TOKENS, MAX_WINDOW, OFF_PROBE, SPECULATION_PROBE, SpeculationGain
 from specd.v1 import coordinator_pb2 as pb
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, greedy_reference, load_reference, request, running_stack
 from tests.tracing import in_memory_tracing, round_attributes
@@ -14,13 +14,13 @@ K = 4
 SPECULATIVE_MS, PLAIN_MS = 60.0, 40.0  # a speculative round and a target-only one
 
 
-def _run(gain: SpeculationGain, rounds: int, speculative_tokens: float) -> list[bool]:
+def _run(gain: SpeculationGain, rounds: int, speculative_tokens: float, speculative_ms: float = SPECULATIVE_MS) -> list[bool]:
     """Rounds as the request's loop runs them (drafting while k > 0); which of them drafted."""
     drafted = []
     for _ in range(rounds):
         speculates = gain.k(K) > 0
         drafted.append(speculates)
-        tokens, ms = (speculative_tokens, SPECULATIVE_MS) if speculates else (1, PLAIN_MS)
+        tokens, ms = (speculative_tokens, speculative_ms) if speculates else (1, PLAIN_MS)
         gain.observe(speculates, tokens, ms)
     return drafted
 
@@ -37,11 +37,32 @@ def test_speculation_that_pays_is_probed_ever_more_rarely():
 
 def test_speculation_that_does_not_pay_turns_itself_off_and_is_probed_again():
     gain = SpeculationGain(SpeculationLoad(0))
-    drafted = _run(gain, 2000, speculative_tokens=1.2)  # 20 tokens/s speculating against 25 plain
+    drafted = _run(gain, 2000, speculative_tokens=1.6, speculative_ms=70.0)  # 22.9 tokens/s speculating against 25 plain
     assert all(drafted[:FIRST_WINDOW]) and not any(drafted[FIRST_WINDOW : FIRST_WINDOW + OFF_PROBE])
     assert sum(drafted) < 0.1 * len(drafted)
     after = drafted[FIRST_WINDOW + OFF_PROBE :]
     assert not any(after[:FIRST_WINDOW]) and all(after[FIRST_WINDOW : FIRST_WINDOW + SPECULATION_PROBE])  # probed again
+    assert not after[FIRST_WINDOW + SPECULATION_PROBE]
+
+
+def test_speculation_that_yields_few_tokens_is_probed_after_a_few_rounds():
+    gain = SpeculationGain(SpeculationLoad(0))
+    drafted = _run(gain, 2000, speculative_tokens=1.2)  # 20 tokens/s speculating against 25 plain
+    early = 1 + EARLY_ROUNDS  # the switch's round, then the measured ones
+    assert all(drafted[:early]) and not any(drafted[early : early + OFF_PROBE])
+    after = drafted[early + OFF_PROBE :]
+    assert not any(after[:FIRST_WINDOW]) and all(after[FIRST_WINDOW : FIRST_WINDOW + early])  # the probe, cut short too
+    assert not after[FIRST_WINDOW + early]
+    assert sum(drafted) < 0.03 * len(drafted)
+
+
+def test_speculation_that_yields_few_tokens_but_wins_runs_its_stretches():
+    gain = SpeculationGain(SpeculationLoad(0))
+    drafted = _run(gain, 2000, speculative_tokens=FEW_TOKENS - 0.2, speculative_ms=20.0)  # a fast verify: 65 tokens/s against 25
+    early = 1 + EARLY_ROUNDS
+    assert all(drafted[:early]) and not any(drafted[early : early + OFF_PROBE])  # probed early, then measured to win
+    longest = max(len(run) for run in "".join("s" if d else "." for d in drafted).split("."))
+    assert longest == MAX_WINDOW
 
 
 def test_a_request_whose_text_changes_follows_it():
