@@ -233,16 +233,19 @@ class SsdRequest:
         # as any round's: if another round may follow and the draft is up (it was a moment ago).
         speculation = self._speculator.adopt(committed, sent.draft.tokens, verify)
         early = speculation is not None
-        if not early and self._draft.info is not None and self._tree_fits(committed, sent.draft.tokens):
+        if not early and self._tree_fits(committed, sent.draft.tokens):
             speculation = self._speculator.beside(index, committed, sent.draft.tokens)
         return _Launch(len(committed), sent, verify, speculation, early)
 
     def _tree_fits(self, committed: list[int], verifying: list[int]) -> bool:
-        """Whether a Speculate beside this verify may be of use: branches in the budget, another
-        round may follow it (k = 0 commits one token), and the draft's context has room for a
-        branch to draft at least one token."""
+        """Whether a Speculate beside this verify may be of use: the draft is up (the link is
+        shared: another request's failed call may have marked it down while this round awaited
+        its backup), branches in the budget, another round may follow it (k = 0 commits one
+        token), and the draft's context has room for a branch to draft at least one token."""
         return (
-            bool(self._sizing.budget)
+            self._draft is not None
+            and self._draft.info is not None
+            and bool(self._sizing.budget)
             and self.gen.max_len - len(committed) > 1
             and self._speculator.tree_tokens(len(committed), len(verifying)) > 0
         )

@@ -1,0 +1,65 @@
+"""An ssd round whose shared draft link goes down while the round awaits its backup draft.
+
+The coordinator's DraftLink is shared by every request: another request's failed draft call
+marks it down (`info` = None) at any await. A round that drafted its backup before that must
+still verify it, and start no Speculate beside the verify (there is no draft to ask), instead
+of failing the request: a lost draft costs speed, never the request (DESIGN, "Ownership of state").
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from coordinator.config import CoordinatorConfig
+from coordinator.rounds import Generation
+from coordinator.ssd_rounds import SsdRequest
+from specd.sampling import SamplingSettings
+from specd.v1 import draft_pb2, target_pb2
+
+DRAFTED = [5, 6, 7]
+
+
+class DraftLinkLostDuringPropose:
+    """A draft link that another request marks down while this request's Propose is in flight."""
+
+    def __init__(self):
+        self.info = draft_pb2.DraftInfo(vocab_size=100, context_length=0)
+        self.last_error = ""
+        self.speculations = 0
+
+    def usable(self) -> bool:
+        return self.info is not None
+
+    def room(self, committed: int) -> int:
+        return 1 << 30
+
+    async def propose(self, session, committed, num_tokens, sampling, max_support, saguaro=None):
+        await asyncio.sleep(0)
+        self.info, self.last_error = None, "another request's draft call failed"  # DraftLink.mark_down
+        return draft_pb2.ProposeResponse(draft_tokens=DRAFTED[:num_tokens])
+
+    async def speculate(self, *args, **kwargs):
+        self.speculations += 1
+
+
+class TargetRejectingAll:
+    async def verify(self, session, committed, tokens, dists, sampling, return_logprobs, deadline=None):
+        return target_pb2.VerifyResponse(accepted=0, next_token=9)
+
+
+def test_a_round_whose_draft_went_down_during_its_backup_verifies_it_without_a_speculate():
+    async def first_drafting_round():
+        gen = Generation("s", [1, 2, 3, 4], SamplingSettings(), "ssd", len(DRAFTED), 64, False, 40)
+        draft = DraftLinkLostDuringPropose()
+        ssd = SsdRequest(gen, TargetRejectingAll(), draft, CoordinatorConfig(ssd_backup="jit"))
+        try:
+            speculated = await ssd.speculate(1)  # round 1, nothing speculated for it: the jit backup
+            verified = await speculated.verify
+        finally:
+            ssd.close()
+        return speculated, verified, draft
+
+    speculated, verified, draft = asyncio.run(first_drafting_round())
+    assert speculated.drafted.draft.tokens == DRAFTED and speculated.drafted.source == "jit"
+    assert speculated.speculation is None and draft.speculations == 0
+    assert verified.next_token == 9
