@@ -84,8 +84,12 @@ def draft_distributions(
     kept = reshape_sorted(values / values.sum(-1, keepdim=True), saguaro_f, saguaro_c)  # [R, N]
     dists = []
     for ids, values in zip(indices.tolist(), kept.tolist()):
-        count = sum(1 for v in values if v > 0) if values[-1] <= 0 else len(values)
-        dists.append(SparseDist(token_ids=ids[:count], probs=values[:count]))
+        if values[-1] > 0:
+            dists.append(SparseDist(token_ids=ids, probs=values))
+            continue
+        # Zeros are not only a suffix: Saguaro at C = 0 zeroes the top F, top-p the tail.
+        support = [(i, v) for i, v in zip(ids, values) if v > 0]
+        dists.append(SparseDist(token_ids=[i for i, _ in support], probs=[v for _, v in support]))
     return dists
 
 

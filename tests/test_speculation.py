@@ -189,3 +189,19 @@ def test_batched_draft_distributions_equal_the_reference_processing(settings):
         want = truncate_to_top(logits_to_probs(logits[row], settings), 64)
         assert dist.token_ids == want.token_ids
         assert dist.probs == pytest.approx(want.probs, abs=1e-6)
+
+
+def test_saguaro_at_c_0_sends_the_q_it_samples_from():
+    """C = 0 zeroes the draft's top F tokens and top-p its tail: q' keeps exactly the tokens
+    between, renormalised, so the verifier is told the q the draft samples from."""
+    from draft_service.speculation import draft_distributions
+    from specd.sampling import logits_to_probs
+
+    logits = torch.tensor([[5.0, 4.5, 4.0, 3.5, 3.0] + [-50.0] * 59])  # [1, 64]
+    settings = SamplingSettings(temperature=1.0, top_p=0.999)
+    (dist,) = draft_distributions(logits, settings, 64, 0.0, 2)
+    probs = logits_to_probs(logits[0], settings)  # [64]: the top 5 tokens hold all of top-p's mass
+    assert sorted(dist.token_ids) == [2, 3, 4]
+    want = probs[[2, 3, 4]] / probs[[2, 3, 4]].sum()
+    assert [dist.probs[dist.token_ids.index(t)] for t in (2, 3, 4)] == pytest.approx(want.tolist(), abs=1e-6)
+    assert sum(dist.probs) == pytest.approx(1.0, abs=1e-6)
