@@ -22,6 +22,11 @@ import torch
 MIN_TEMPERATURE = 0.01
 # The same bound as a float32, as temperature travels on the wire: 0.01 sent is 0.0099999998.
 _MIN_TEMPERATURE_WIRE = struct.unpack("<f", struct.pack("<f", MIN_TEMPERATURE))[0]
+# The repetition penalty divides positive logits and multiplies negative ones: past these bounds a
+# float32 logit could overflow to inf after the penalty and the temperature (a penalty of 1e-38
+# made the probabilities NaN), while no penalty anyone uses (1.0-1.5) comes near them.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+_MIN_REPETITION_PENALTY_WIRE = struct.unpack("<f", struct.pack("<f", MIN_REPETITION_PENALTY))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +58,8 @@ def sampling_problem(settings: SamplingSettings) -> str | None:
     if not 0 < settings.top_p <= 1:  # also refuses NaN
         return f"top_p must lie in (0, 1] (1 = off), got {settings.top_p}"
     penalty = settings.repetition_penalty
-    if not (math.isfinite(penalty) and penalty > 0):
-        return f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty}"
+    if not _MIN_REPETITION_PENALTY_WIRE <= penalty <= MAX_REPETITION_PENALTY:  # also refuses NaN
+        return f"repetition_penalty must lie in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 = off), got {penalty}"
     return None
 
 

@@ -8,7 +8,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.request import MAX_STOP_BYTES, MAX_STOP_STRINGS
 from coordinator.servicer import _PROMPT_THREADS
-from specd.sampling import MIN_TEMPERATURE
+from specd.sampling import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 from specd.v1 import coordinator_pb2 as pb
 from specd.wire import MAX_ID_BYTES
 from tests.conftest import CALL_TIMEOUT_S, request, running_stack
@@ -122,6 +122,9 @@ CASES = {
     "repetition_penalty < 0": (_sampling(temperature=1.0, repetition_penalty=-1.2), "repetition_penalty"),
     "repetition_penalty NaN": (_sampling(repetition_penalty=float("nan")), "repetition_penalty"),
     "repetition_penalty inf": (_sampling(repetition_penalty=float("inf")), "repetition_penalty"),
+    "repetition_penalty 1e-38": (_sampling(temperature=0.5, repetition_penalty=1e-38), "repetition_penalty"),
+    "repetition_penalty just under the minimum": (_sampling(repetition_penalty=MIN_REPETITION_PENALTY / 2), "repetition_penalty"),
+    "repetition_penalty over the maximum": (_sampling(repetition_penalty=MAX_REPETITION_PENALTY * 2), "repetition_penalty"),
     # Sizes checked before any work is done for them.
     "request_id of 1 MiB": (_set(request_id="r" * (1 << 20)), "request_id"),
     "request_id one byte too long": (_set(request_id="é" * (MAX_ID_BYTES // 2) + "x"), "request_id"),
@@ -181,9 +184,15 @@ def test_prompt_limits_name_the_limit(stub):
 
 
 def test_sampling_at_the_limits_is_served(stub):
-    """The documented minimum temperature (sent as a float32) and a huge finite one both serve."""
+    """The documented minimum temperature (sent as a float32) and a huge finite one both serve,
+    and so do the repetition penalty's bounds."""
     for temperature in (MIN_TEMPERATURE, 3.0e38):
         response = stub.Generate(request(GOOD_IDS, max_new_tokens=4, temperature=temperature, seed=7), timeout=CALL_TIMEOUT_S)
+        assert len(response.token_ids) == 4 and all(0 <= t < VOCAB for t in response.token_ids)
+    for penalty in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):  # at the least temperature
+        message = request(GOOD_IDS * 2, max_new_tokens=4, temperature=MIN_TEMPERATURE, seed=7)
+        message.sampling.repetition_penalty = penalty
+        response = stub.Generate(message, timeout=CALL_TIMEOUT_S)
         assert len(response.token_ids) == 4 and all(0 <= t < VOCAB for t in response.token_ids)
 
 
