@@ -25,9 +25,16 @@ class TextAssembler:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> bool:
-        """Append one token; True if a stop string now ends the text (it is cut off)."""
+        """Append one token; True if a stop string now ends the text (it is cut off, and stays so)."""
         self.token_ids.append(token_id)
+        if self.stop_string:
+            return True
         self._ids.append(token_id)
+        # A stop string not found before ends past the text settled before this token. Measured
+        # from self.text instead, the window could start too late: byte-fallback decoders (Llama's,
+        # Mistral's) show each byte of an unfinished character as its own U+FFFD, so the text
+        # before it settles can be longer than after.
+        search_from = max(0, len(self._settled) - self._holdback)
         window_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         pending = new_text[len(window_text) :]
@@ -36,7 +43,6 @@ class TextAssembler:
             pending = ""
             self._prefix, self._read = self._read, len(self._ids)
         text = self._settled + pending
-        search_from = max(0, len(self.text) - self._holdback - 1)
         found = [(text.find(s, search_from), s) for s in self._stops]
         found = [(index, s) for index, s in found if index >= 0]
         if found:

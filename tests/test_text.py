@@ -39,3 +39,26 @@ def test_stop_string_cuts_the_text(tokenizer):
     stopped = [text.add(t) for t in ids]
     assert any(stopped)
     assert text.text == "alpha " and text.stop_string == "beta"
+
+
+def _byte_fallback_tokenizer():
+    """A tokenizer of the Llama / Mistral kind: characters outside its vocabulary go as byte
+    tokens, and its decoder shows each byte of an unfinished character as its own U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {c: 256 + i for i, c in enumerate("hix ")}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_a_stop_string_after_a_character_of_several_bytes_is_found():
+    tokenizer = _byte_fallback_tokenizer()
+    ids = tokenizer.encode("hi x😀 more", add_special_tokens=False)
+    assert len(ids) > len("hi x more")  # the emoji went as its four bytes
+    assert tokenizer.decode(ids[:6]) == "hi x\ufffd\ufffd"  # two of its bytes: two U+FFFD
+    text = TextAssembler(tokenizer, [], ["x😀"])
+    stopped = [text.add(t) for t in ids]
+    assert stopped.index(True) == 7  # at the emoji's last byte
+    assert text.text == "hi " and text.stop_string == "x😀"
