@@ -51,6 +51,10 @@ def prefill_session(model, session, start: int, tokens: list[int]) -> tuple[int,
     _, feed = session.sync(start, tokens)
     forward_ms = 0.0
     if len(feed) > 1:
-        _, forward_ms = forward_logits(model, session.cache, feed[:-1], 1)
+        try:
+            _, forward_ms = forward_logits(model, session.cache, feed[:-1], 1)
+        except BaseException:
+            session.reset()  # failed part-way: some layers may hold the new entries, others not
+            raise
         session.extend(feed[:-1])
     return len(session.cached_tokens), forward_ms

@@ -145,3 +145,26 @@ def test_store_idle_expiry():
     time.sleep(0.25)
     assert store.expire_idle() == ["busy"]
     assert len(store) == 0
+
+
+def test_a_prefill_that_fails_part_way_leaves_nothing_cached(model):
+    """Its first layer cached the new tokens, its second raised: the session forgets them all,
+    and the next call re-sends from the start."""
+    from specd.forward import prefill_session
+
+    session = Session(cache=GrowingKVCache())
+    prefill_session(model, session, 0, [1, 2, 3, 4])
+    last_layer = model.model.layers[-1]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    hook = last_layer.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError):
+            prefill_session(model, session, 0, [1, 2, 3, 4, 5, 6, 7])
+    finally:
+        hook.remove()
+    assert session.cached_tokens == [] and session.cache.get_seq_length() == 0
+    cached, _ = prefill_session(model, session, 0, [1, 2, 3, 4, 5, 6, 7])
+    assert cached == 6 and session.cache.get_seq_length() == 6
