@@ -21,6 +21,10 @@ from target_service.prefill_pacing import PrefillPacer
 from target_service.runner import ForwardCost, PrefillCall, TargetModelRunner, VerifyCall, VerifyOutcome
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
+# Most draft tokens one verify may carry: twice the coordinator's largest K (32). Without a bound
+# one call of thousands of tokens would hold every session's forwards behind its own and build
+# logits of gigabytes.
+MAX_VERIFY_DRAFT_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +76,8 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     async def Verify(self, request, context):
         try:
             runner = self._ready_runner()
-            call = self._prepare(runner, request)
+            # Off the event loop: a sampled verify's draft_probs are checked entry by entry.
+            call = await asyncio.to_thread(self._prepare, runner, request) if request.draft_probs else self._prepare(runner, request)
             self._verifying[call.session_id] += 1  # a VerifyAfter may follow it
             try:
                 with worker_span(
@@ -142,6 +147,8 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         loaded = runner.loaded
         self._check_open_session_id(request.session_id)
         num_draft = len(request.draft_tokens)
+        if num_draft > MAX_VERIFY_DRAFT_TOKENS:
+            raise InvalidRequest(f"draft_tokens holds {num_draft} tokens; a verify takes at most {MAX_VERIFY_DRAFT_TOKENS}")
         tokens = check_committed(request.committed, loaded.vocab_size, loaded.context_length, num_draft)
         draft_tokens = check_token_ids(request.draft_tokens, loaded.vocab_size, "draft_tokens")
         sampling = sampling_from_proto(request.sampling, loaded.default_sampling)

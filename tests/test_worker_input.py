@@ -144,6 +144,14 @@ def test_speculate_and_propose_sizes_are_bounded(greedy_before, draft):
     draft.EndSession(draft_pb2.DraftEndSessionRequest(session_id="at-limits"), timeout=CALL_TIMEOUT_S)
 
 
+def test_a_verify_of_too_many_draft_tokens_is_refused(greedy_before, target):
+    """Bounded before the model runs: thousands of tokens fit the context but not a round."""
+    from target_service.servicer import MAX_VERIFY_DRAFT_TOKENS
+
+    details = _refused(target.Verify, _verify("long-verify", [8] * (MAX_VERIFY_DRAFT_TOKENS + 1), [], GREEDY))
+    assert "draft_tokens" in details and str(MAX_VERIFY_DRAFT_TOKENS) in details
+
+
 def test_long_session_ids_are_refused_and_not_echoed(greedy_before, target, draft):
     assert "session_id" in _refused(target.Prefill, target_pb2.TargetPrefillRequest(session_id=HUGE_ID, committed=_committed()))
     assert "session_id" in _refused(target.Verify, _verify(HUGE_ID, [8], [], GREEDY))
