@@ -28,6 +28,7 @@ from target_service.tp_job import (
     RankFailure,
     env_rank,
     load_local_runner,
+    out_of_step_error,
 )
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,14 @@ def follow(config: TargetConfig, job: Job) -> None:
         if name not in RUNNER_METHODS:
             raise RankFailure(f"rank {job.rank}: unknown command {name!r}")
         try:
-            getattr(runner, name)(*args)
+            result = getattr(runner, name)(*args)
         except Exception as exc:
             if status_for(exc) is None:
                 raise  # rank 0 did not see this one: the job is out of step, go down
-            # a request error: rank 0 raised the same one and answers the caller
+            continue  # a request error: rank 0 raised the same one and answers the caller
+        failed = out_of_step_error(result)  # run_batch hands each call's error back instead of raising it
+        if failed is not None:
+            raise RankFailure(f"rank {job.rank}: {name} failed here: {type(failed).__name__}: {failed}")
 
 
 def exit_with_parent(parent_pid: int) -> None:

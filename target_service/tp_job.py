@@ -42,6 +42,21 @@ class RankFailure(OSError):
     """A rank of the tensor-parallel job failed or vanished: the job cannot serve."""
 
 
+def out_of_step_error(result: Any) -> Exception | None:
+    """The first of a run_batch's per-call results that is an error other than a request error.
+
+    A request error (specd.serving.status_for knows it) is raised alike on every rank before any
+    collective. Anything else (a forward that failed here: memory, a collective) may have struck
+    this rank alone, and the runner reset the call's session here only: the ranks' caches are out
+    of step, and the job must go down rather than serve from them.
+    """
+    from specd.serving import status_for
+
+    if not isinstance(result, list):
+        return None
+    return next((r for r in result if isinstance(r, Exception) and status_for(r) is None), None)
+
+
 @dataclasses.dataclass
 class Job:
     """This process's place in the job, and what rank 0 needs to watch its peers."""

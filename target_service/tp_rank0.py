@@ -13,7 +13,7 @@ from specd.serving import Unavailable, status_for
 from specd.session_cache import SessionStore
 from target_service.config import TargetConfig
 from target_service.runner import TargetModelRunner
-from target_service.tp_job import END_SESSIONS, HEARTBEAT, SHUTDOWN, Job, load_local_runner
+from target_service.tp_job import END_SESSIONS, HEARTBEAT, SHUTDOWN, Job, load_local_runner, out_of_step_error
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,19 @@ class TensorParallelTargetRunner:
             self._check()
             self._send(name, args)
             try:
-                return getattr(self.local, name)(*args)
+                result = getattr(self.local, name)(*args)
             except Exception as exc:
                 if status_for(exc) is not None:
                     raise  # a request error: every rank raised it at the same point, before any collective
-                self._job.fail(f"{name} failed on rank 0: {type(exc).__name__}: {exc}")
-                raise Unavailable(f"the tensor-parallel target failed ({self._job.failure})") from None
+                self._fail(name, exc)
+            failed = out_of_step_error(result)  # run_batch hands each call's error back instead of raising it
+            if failed is not None:
+                self._fail(name, failed)
+            return result
+
+    def _fail(self, name: str, exc: Exception) -> None:
+        self._job.fail(f"{name} failed on rank 0: {type(exc).__name__}: {exc}")
+        raise Unavailable(f"the tensor-parallel target failed ({self._job.failure})") from None
 
     def _beat(self) -> None:
         while not self._closed and not self._job.failed.is_set():

@@ -211,6 +211,51 @@ def test_runner_logits_and_sessions_match_single_process(tiny_pair, tmp_path, mo
             assert err <= RTOL * float(want.abs().max()), f"rank {rank}, forward {i}: max |diff| {err:.3g}"
 
 
+class _BatchFailingHere:
+    """A rank's local runner whose run_batch hands back each call's error, as TargetModelRunner's does."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def run_batch(self, calls, most_tokens=None):
+        return [self.error for _ in calls]
+
+
+def test_a_forward_that_failed_on_rank_0_alone_takes_the_job_down(monkeypatch):
+    """A forward error on rank 0 only (memory, a collective) left its session reset there and not
+    on the other ranks: the job goes down, the caller gets UNAVAILABLE. A request error, raised
+    alike on every rank, stays the call's own."""
+    from specd.serving import InvalidRequest, Unavailable
+    from target_service.tp_job import Job
+    from target_service.tp_rank0 import TensorParallelTargetRunner
+
+    job = Job(rank=0, world_size=2, local_rank=0)
+    runner = TensorParallelTargetRunner(_BatchFailingHere(RuntimeError("out of memory")), job, heartbeat_s=3600.0)
+    monkeypatch.setattr(runner, "_send", lambda name, args: None)  # the broadcast to the other ranks
+    with pytest.raises(Unavailable):
+        runner.run_batch(["a call"])
+    assert job.failed.is_set() and "out of memory" in job.failure
+
+    calm = Job(rank=0, world_size=2, local_rank=0)
+    refused = InvalidRequest("draft_tokens out of range")
+    runner = TensorParallelTargetRunner(_BatchFailingHere(refused), calm, heartbeat_s=3600.0)
+    monkeypatch.setattr(runner, "_send", lambda name, args: None)
+    assert runner.run_batch(["a call"]) == [refused] and not calm.failed.is_set()
+
+
+def test_a_forward_that_failed_on_a_follower_alone_takes_it_down(monkeypatch):
+    from target_service import tp_follower
+    from target_service.tp_job import Job, RankFailure
+
+    def broadcast(box, src, group):
+        box[0] = ("run_batch", (["a call"], None))
+
+    monkeypatch.setattr(tp_follower, "load_local_runner", lambda config, job: _BatchFailingHere(RuntimeError("out of memory")))
+    monkeypatch.setattr(tp_follower.dist, "broadcast_object_list", broadcast)
+    with pytest.raises(RankFailure, match="out of memory"):
+        tp_follower.follow(TargetConfig(), Job(rank=1, world_size=2, local_rank=1))
+
+
 def test_settings_are_checked(monkeypatch):
     import asyncio
 
