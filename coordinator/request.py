@@ -44,21 +44,48 @@ class ResolvedRequest:
     return_logprobs: bool
 
 
+def check(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig) -> None:
+    """Every check that needs no tokenising, sizes first. The coordinator runs it before the
+    request queues for a place: bad input gets INVALID_ARGUMENT at once, never "retry later"
+    from a full server, and no place is held for it."""
+    check_id_length(request.request_id, "request_id")
+    _check_input(request, target, config.max_prompt_bytes)
+    _max_new_tokens(request, config)
+    sampling_from_proto(request.sampling, target.default_sampling)
+    _check_stop(request.stop)
+    _num_speculative_tokens(request.speculation, config)
+
+
 def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig) -> ResolvedRequest:
     """The request checked and its prompt tokenised: CPU work a caller sizes, so run it off the
     event loop; the prompt's size in bytes is checked before any tokenising."""
-    check_id_length(request.request_id, "request_id")
-    prompt_ids = _prompt_ids(request, target, config.max_prompt_bytes)
+    check(request, target, config)
+    prompt_ids = _prompt_ids(request, target)
     _check_prompt_length(len(prompt_ids), target.context_length)
+    defaults = dataclasses.replace(target.default_sampling, seed=secrets.randbits(63))
+    return ResolvedRequest(
+        request_id=request.request_id or secrets.token_hex(8),
+        prompt_ids=prompt_ids,
+        sampling=sampling_from_proto(request.sampling, defaults),
+        max_new_tokens=_max_new_tokens(request, config),
+        stop_strings=list(request.stop),
+        ignore_eos=request.ignore_eos,
+        mode=mode_name(request.speculation.mode),
+        num_speculative_tokens=_num_speculative_tokens(request.speculation, config),
+        return_logprobs=request.return_logprobs,
+    )
+
+
+def _max_new_tokens(request: coordinator_pb2.GenerateRequest, config: CoordinatorConfig) -> int:
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
     if max_new <= 0:
         raise InvalidRequest(f"max_new_tokens must be > 0, got {max_new}")
     if max_new > config.max_new_tokens_limit:
         raise InvalidRequest(f"max_new_tokens must be <= {config.max_new_tokens_limit}, got {max_new}")
-    defaults = dataclasses.replace(target.default_sampling, seed=secrets.randbits(63))
-    sampling = sampling_from_proto(request.sampling, defaults)
-    _check_stop(request.stop)
-    spec = request.speculation
+    return max_new
+
+
+def _num_speculative_tokens(spec: coordinator_pb2.SpeculationParams, config: CoordinatorConfig) -> int:
     if spec.mode not in coordinator_pb2.SpeculationMode.values():
         raise InvalidRequest(f"speculation.mode {spec.mode} is not one of {', '.join(MODES)}")
     k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else config.num_speculative_tokens
@@ -66,17 +93,7 @@ def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, confi
         raise InvalidRequest(
             f"speculation.num_speculative_tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
         )
-    return ResolvedRequest(
-        request_id=request.request_id or secrets.token_hex(8),
-        prompt_ids=prompt_ids,
-        sampling=sampling,
-        max_new_tokens=max_new,
-        stop_strings=list(request.stop),
-        ignore_eos=request.ignore_eos,
-        mode=mode_name(spec.mode),
-        num_speculative_tokens=k,
-        return_logprobs=request.return_logprobs,
-    )
+    return k
 
 
 def _check_prompt_length(tokens: int, context_length: int) -> None:
@@ -101,7 +118,8 @@ def _check_prompt_bytes(size: int, limit: int, field: str) -> None:
         raise InvalidRequest(f"{field} is {size} bytes; at most {limit} (--max-prompt-bytes)")
 
 
-def _prompt_ids(request: coordinator_pb2.GenerateRequest, target: TargetFacts, max_bytes: int) -> list[int]:
+def _check_input(request: coordinator_pb2.GenerateRequest, target: TargetFacts, max_bytes: int) -> None:
+    """The prompt, token ids or messages present and within their sizes (bytes before anything else)."""
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidRequest("prompt is empty: set one of prompt, prompt_token_ids or messages")
@@ -109,18 +127,27 @@ def _prompt_ids(request: coordinator_pb2.GenerateRequest, target: TargetFacts, m
         if not request.prompt:
             raise InvalidRequest("prompt is empty")
         _check_prompt_bytes(len(request.prompt.encode("utf-8", "surrogatepass")), max_bytes, "prompt")
-        return list(target.tokenizer.encode(request.prompt, add_special_tokens=True))
-    if which == "prompt_token_ids":
+    elif which == "prompt_token_ids":
         ids = request.prompt_token_ids.ids
         if not ids:
             raise InvalidRequest("prompt_token_ids is empty")
         _check_prompt_length(len(ids), target.context_length)  # before looking at each id
-        return check_token_ids(ids, target.vocab_size, "prompt_token_ids")
-    return _message_ids(request.messages.messages, target, max_bytes)
+        check_token_ids(ids, target.vocab_size, "prompt_token_ids")
+    else:
+        _check_messages(request.messages.messages, target, max_bytes)
 
 
-def _message_ids(chat: list[coordinator_pb2.ChatMessage], target: TargetFacts, max_bytes: int) -> list[int]:
-    """The chat messages rendered with the tokenizer's chat template, then tokenised."""
+def _prompt_ids(request: coordinator_pb2.GenerateRequest, target: TargetFacts) -> list[int]:
+    """The checked input as token ids: the prompt tokenised, or the messages rendered and tokenised."""
+    which = request.WhichOneof("input")
+    if which == "prompt":
+        return list(target.tokenizer.encode(request.prompt, add_special_tokens=True))
+    if which == "prompt_token_ids":
+        return list(request.prompt_token_ids.ids)
+    return _message_ids(request.messages.messages, target)
+
+
+def _check_messages(chat, target: TargetFacts, max_bytes: int) -> None:
     if not chat:
         raise InvalidRequest("messages is empty")
     if any(not m.role for m in chat):
@@ -129,6 +156,10 @@ def _message_ids(chat: list[coordinator_pb2.ChatMessage], target: TargetFacts, m
     _check_prompt_bytes(size, max_bytes, "messages (roles and contents together)")
     if not getattr(target.tokenizer, "chat_template", None):
         raise InvalidRequest("messages: the target's tokenizer has no chat template; send a prompt instead")
+
+
+def _message_ids(chat: list[coordinator_pb2.ChatMessage], target: TargetFacts) -> list[int]:
+    """The chat messages rendered with the tokenizer's chat template, then tokenised."""
     messages = [{"role": m.role, "content": m.content} for m in chat]
     try:
         rendered = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

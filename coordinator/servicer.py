@@ -19,7 +19,7 @@ from coordinator.speculation_gain import RoundClock, SpeculationGain
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_wait import DraftWait
 from coordinator.output import Chunk, Finish, RequestOutput, settle_text
-from coordinator.request import ResolvedRequest, TargetFacts, resolve
+from coordinator.request import ResolvedRequest, TargetFacts, check, resolve
 from coordinator.rounds import Generation, RoundResult, drop_target_prefill, sd_rounds, start_target_prefill
 from coordinator.ssd_rounds import ssd_rounds
 from coordinator.round_trace import RoundTrace, llm_request, llm_request_stream, record_request, record_response
@@ -74,9 +74,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _resolve(self, request: coordinator_pb2.GenerateRequest) -> ResolvedRequest:
         """resolve() on a prompt thread: it tokenises, or renders a chat template."""
+        return await self._on_prompt_thread(resolve, request)
+
+    async def _check(self, request: coordinator_pb2.GenerateRequest) -> None:
+        """check() on a prompt thread: a large prompt's size in bytes takes a moment to count."""
+        await self._on_prompt_thread(check, request)
+
+    async def _on_prompt_thread(self, work, request: coordinator_pb2.GenerateRequest):
         facts = self._ready_facts()
         pool = self._pools["large-prompt" if request.ByteSize() > _LARGE_REQUEST_BYTES else "prompt"]
-        return await asyncio.get_running_loop().run_in_executor(pool, resolve, request, facts, self.config)
+        return await asyncio.get_running_loop().run_in_executor(pool, work, request, facts, self.config)
 
     def _ready_facts(self) -> TargetFacts:
         if self.facts is None:
@@ -240,6 +247,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The resolved request and its events, once it has a place (it may queue for one; the queue's wait
         ends at the call's deadline). While loading, UNAVAILABLE comes before any queueing."""
         self._ready_facts()
+        await self._check(request)  # bad input is told so at once, not queued, nor told to retry
         async with self.admission.place(context.time_remaining()) as place:
             resolved = await self._resolve(request)
             # Closed here, not when collected: its sessions are ended before the place is let go.

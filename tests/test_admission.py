@@ -102,6 +102,27 @@ def test_a_burst_past_the_queue_is_refused_and_the_rest_complete(tiny_pair):
         assert gauge(stack, "specd_request_queue_seconds_count") == 5  # the admitted: 2 + 2 queued + 1
 
 
+def test_bad_input_is_refused_at_once_even_when_the_server_is_full(tiny_pair):
+    """Checked before it queues: a full server tells a bad request what to change, not to retry,
+    and a server with room in its queue does not make it wait there."""
+    limits = {"max_concurrent_requests": 1, "max_queued_requests": 1}
+    with held_prefills(tiny_pair, coordinator_overrides=limits) as (stack, stub, gate):
+        try:
+            running = stub.Generate.future(_message(), timeout=CALL_TIMEOUT_S)
+            _placed(stack, running=1, waiting=0)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(request(PROMPT_IDS, max_new_tokens=0), timeout=CALL_TIMEOUT_S)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in refused.value.details()
+            queued = stub.Generate.future(_message(), timeout=CALL_TIMEOUT_S)
+            _placed(stack, running=1, waiting=1)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(request(PROMPT_IDS, k=0), timeout=CALL_TIMEOUT_S)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in refused.value.details()
+        finally:
+            gate.release()
+        assert running.result().finish_reason == queued.result().finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def test_a_queued_request_that_is_cancelled_or_times_out_leaves_the_queue(tiny_pair):
     limits = {"max_concurrent_requests": 1, "max_queued_requests": 4}
     with held_prefills(tiny_pair, coordinator_overrides=limits) as (stack, stub, gate):
