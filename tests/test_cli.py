@@ -94,6 +94,23 @@ def test_generate_chat_sends_one_user_message_and_an_optional_system_one(chat_st
     assert json.loads(result.stdout)["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered))
 
 
+@pytest.mark.parametrize(
+    "flags, flag",
+    [(["--seed", "-1"], "--seed"), (["-k", "-1"], "--num-speculative-tokens"), (["--top-k", "3000000000"], "--top-k"),
+     (["--max-new-tokens", "99999999999"], "--max-new-tokens")],
+)
+def test_generate_values_the_wire_cannot_carry_are_one_line_naming_the_flag(flags, flag):
+    result = specd("generate", "hello", *flags, "--address", "127.0.0.1:1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"specd generate: {flag}: ") and len(result.stderr.splitlines()) == 1
+
+
+def test_generate_a_prompt_that_is_not_utf8_is_one_line():
+    result = subprocess.run([sys.executable, "-m", "specd", "generate", "-", "--address", "127.0.0.1:1"],
+                            input=b"def f(): return '\xff'\n", capture_output=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.decode() == "specd generate: PROMPT: is not UTF-8 text\n"
+
+
 def test_generate_system_without_chat_is_refused():
     result = specd("generate", "--system", "be brief", "hello")
     assert result.returncode == 2

@@ -55,32 +55,46 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+class UnsendableValue(ValueError):
+    """A flag's value that its field on the wire cannot hold (out of range, or text that is not UTF-8)."""
+
+
+def _set(message, field: str, value, flag: str) -> None:
+    try:
+        setattr(message, field, value)
+    except ValueError as exc:  # protobuf: "Value out of range"; UnicodeEncodeError is a ValueError too
+        what = "is not UTF-8 text" if isinstance(exc, UnicodeError) else f"{value} is out of the range the field takes"
+        raise UnsendableValue(f"{flag}: {what}") from None
+
+
 def build_request(args: argparse.Namespace):
+    """The GenerateRequest the flags ask for; UnsendableValue names a flag whose value cannot go."""
     from specd.v1 import common_pb2, coordinator_pb2
 
     sampling = common_pb2.SamplingParams()
     for field in ("temperature", "top_k", "top_p", "seed", "repetition_penalty"):
         value = getattr(args, field)
         if value is not None:
-            setattr(sampling, field, value)
+            _set(sampling, field, value, "--" + field.replace("_", "-"))
     speculation = coordinator_pb2.SpeculationParams(mode=mode_value(args.mode))
     if args.num_speculative_tokens is not None:
-        speculation.num_speculative_tokens = args.num_speculative_tokens
+        _set(speculation, "num_speculative_tokens", args.num_speculative_tokens, "--num-speculative-tokens")
     request = coordinator_pb2.GenerateRequest(
-        sampling=sampling,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        speculation=speculation,
-        return_logprobs=args.logprobs,
+        sampling=sampling, ignore_eos=args.ignore_eos, speculation=speculation, return_logprobs=args.logprobs
     )
+    for stop in args.stop:
+        try:
+            request.stop.append(stop)
+        except ValueError:
+            raise UnsendableValue("--stop: is not UTF-8 text") from None
     if args.chat:
         if args.system is not None:
-            request.messages.messages.add(role="system", content=args.system)
-        request.messages.messages.add(role="user", content=args.prompt)
+            _set(request.messages.messages.add(role="system"), "content", args.system, "--system")
+        _set(request.messages.messages.add(role="user"), "content", args.prompt, "PROMPT")
     else:
-        request.prompt = args.prompt
+        _set(request, "prompt", args.prompt, "PROMPT")
     if args.max_new_tokens is not None:
-        request.max_new_tokens = args.max_new_tokens
+        _set(request, "max_new_tokens", args.max_new_tokens, "--max-new-tokens")
     return request
 
 
@@ -136,8 +150,12 @@ def run(args: argparse.Namespace) -> int:
 
     address = args.address or default_address()
     if args.prompt == "-":  # a long prompt (a file to summarise, code to complete) need not fit a command line
-        args.prompt = sys.stdin.read()
-    request = build_request(args)
+        args.prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")  # not UTF-8: said below
+    try:
+        request = build_request(args)
+    except UnsendableValue as exc:
+        print(f"specd generate: {exc}", file=sys.stderr)
+        return 2
     try:
         channel = connect.open_channel(address, args)
     except ConfigError as exc:
