@@ -142,12 +142,15 @@ def create_server(
     health_state = HealthState(service_full_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     enable_reflection([*service_full_names, health.SERVICE_NAME], server)
-    if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:  # grpcio 1.85 raises where older ones returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {host}:{port} (is the port taken?)")
     return server, bound, health_state
 
 

@@ -90,9 +90,12 @@ class Receiver:
         self.service = _TraceService(self.path)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])  # never shares its port
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.service, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio 1.85 raises where older ones returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {host}:{port}")
+            raise OSError(f"could not bind {host}:{port} (is the port taken?)")
         self.host = host
 
     @property

@@ -60,3 +60,15 @@ def test_bench_address_reports_a_skipped_mode_beside_a_draftless_stack(tiny_pair
     result = json.loads(out.read_text())
     assert set(result["modes"]) == {"off", "hf_assisted"} and result["modes"]["hf_assisted"]["skipped"]
     assert result["settings"]["draft"] == "" and result["sd_tokens_per_round"] is None
+
+
+def test_bench_against_nothing_is_one_line(capsys):
+    """A stack that is not there (or goes away mid-run) ends the bench with its status, no traceback."""
+    assert main(["bench", "--address", "127.0.0.1:1", "--num-prompts", "1", "--modes", "off"]) == 1
+    err = capsys.readouterr().err
+    assert "specd bench: 127.0.0.1:1: UNAVAILABLE: " in err and "Traceback" not in err
+
+
+def test_bench_with_a_missing_prompts_file_is_one_line(capsys, tmp_path):
+    assert main(["bench", "--prompts", str(tmp_path / "none.json"), "--address", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.startswith("specd bench: --prompts: ")

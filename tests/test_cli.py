@@ -111,6 +111,13 @@ def test_generate_a_prompt_that_is_not_utf8_is_one_line():
     assert result.returncode == 2 and result.stderr.decode() == "specd generate: PROMPT: is not UTF-8 text\n"
 
 
+def test_a_bad_setting_in_the_environment_is_one_line_naming_it():
+    result = subprocess.run([sys.executable, "-m", "specd", "serve", "coordinator", "--help"], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "SPECD_MAX_SESSIONS": "abc"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("specd: SPECD_MAX_SESSIONS='abc': ") and len(result.stderr.splitlines()) == 1
+
+
 def test_generate_system_without_chat_is_refused():
     result = specd("generate", "--system", "be brief", "hello")
     assert result.returncode == 2

@@ -15,7 +15,7 @@ def test_a_second_server_on_a_served_port_fails_to_start():
         first, port, _ = create_server("127.0.0.1", 0, lambda server: None, [])
         await first.start()
         try:
-            with pytest.raises((OSError, RuntimeError)):
+            with pytest.raises(OSError, match="is the port taken"):  # `specd serve` prints it as one line
                 create_server("127.0.0.1", port, lambda server: None, [])
         finally:
             await first.stop(None)
@@ -25,3 +25,16 @@ def test_a_second_server_on_a_served_port_fails_to_start():
         await again.stop(None)
 
     asyncio.run(two_servers())
+
+
+
+def test_a_span_receiver_on_a_served_port_fails_to_start(tmp_path):
+    """`specd trace --listen` where Jaeger already holds the port: one line, no traceback."""
+    from specd.trace_store import Receiver
+
+    first = Receiver(tmp_path / "a.jsonl", port=0).start()
+    try:
+        with pytest.raises(OSError, match="is the port taken"):
+            Receiver(tmp_path / "b.jsonl", port=first.port)
+    finally:
+        first.stop()

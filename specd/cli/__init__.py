@@ -39,9 +39,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
     from specd.config import ConfigError
 
+    try:
+        parser = build_parser(argv)  # flags' defaults come from SPECD_* variables, checked here
+    except ConfigError as exc:
+        print(f"specd: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except ConfigError as exc:  # a setting that cannot work (an unreadable TLS file, ...): no traceback

@@ -81,6 +81,8 @@ ADDRESS_SKIPS = {
 
 
 def run(args: argparse.Namespace) -> int:
+    import grpc
+
     from specd import bench
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -95,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"specd bench: {exc}", file=sys.stderr)
         return 2
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts)
+    except (OSError, ValueError) as exc:  # ValueError: not the JSON list of prompts it must be
+        print(f"specd bench: --prompts: {exc}", file=sys.stderr)
+        return 2
     skipped = {m: reason for m, reason in ADDRESS_SKIPS.items() if args.address and m in modes}
     modes = [m for m in modes if m not in skipped]
     for mode, reason in skipped.items():
@@ -117,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
                 receiver = start_traced_stacks(args, stacks, traced_addresses)
         runs, verify_times, target_cpus = run_passes(args, modes, prompts, address, traced_addresses)
         concurrency = run_concurrency(args, levels, modes, prompts, address)
+    except grpc.RpcError as exc:  # the stack went away or refused a request: no figures to report
+        print(f"specd bench: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     finally:
         stop_processes(stacks, timeout_s=60)
         if receiver is not None:

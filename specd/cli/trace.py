@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             spans = trace_spans(load_spans(path), trace_id)
             break
-        except (LookupError, OSError) as exc:
+        except (LookupError, OSError, ValueError) as exc:  # ValueError: not JSON lines (or a last one half written)
             if time.monotonic() >= deadline:
                 print(f"specd trace: {path}: {exc}", file=sys.stderr)
                 return 1
@@ -73,7 +73,14 @@ def listen(address: str, path: str) -> int:
     from specd.trace_store import Receiver
 
     host, _, port = address.rpartition(":")
-    receiver = Receiver(path, host or "127.0.0.1", int(port or DEFAULT_LISTEN_PORT)).start()
+    try:
+        receiver = Receiver(path, host or "127.0.0.1", int(port or DEFAULT_LISTEN_PORT)).start()
+    except ValueError:
+        print(f"specd trace: --listen {address}: give [HOST:]PORT, the port a number", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"specd trace: {exc}", file=sys.stderr)
+        return 1
     print(f"OTLP gRPC receiver on {receiver.endpoint}, storing spans to {path}", flush=True)
     print(f"  OTEL_EXPORTER_OTLP_ENDPOINT={receiver.endpoint} specd up", flush=True)
     try:

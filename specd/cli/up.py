@@ -188,7 +188,7 @@ def prepare(args: argparse.Namespace) -> dict[str, int]:
 def run(args: argparse.Namespace) -> int:
     try:
         ports = prepare(args)
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, OverflowError) as exc:  # OverflowError: a port past 65535
         print(f"specd up: {exc}", file=sys.stderr)
         return 1
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="specd-up-"))
