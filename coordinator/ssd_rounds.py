@@ -36,7 +36,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation, RoundResult
 from coordinator.speculation_cache import Draft
 from coordinator.ssd_sizing import RequestSizing
-from coordinator.ssd_speculator import MISS_NO_SPECULATION, MISS_UNCOVERED, Speculation, Speculator
+from coordinator.ssd_speculator import MISS_FAILED, MISS_NO_SPECULATION, MISS_UNCOVERED, Speculation, Speculator
 from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
 from coordinator.draft_link import DraftFailed, DraftLink
 from coordinator.target_link import TargetLink
@@ -159,7 +159,10 @@ class SsdRequest:
         gen, draft = self.gen, self._draft
         if not (gen.mode == SSD and draft is not None and draft.usable()):
             reason = draft.last_error if draft is not None else "no draft worker is configured"
-            return RoundDraft(_NO_DRAFT, fallback=reason, speculates=False)
+            # The Speculate beside the last verify failed (and marked the draft down): its lookup
+            # still missed, and says why, as any other miss.
+            failed = lookup is not None and lookup.miss == MISS_FAILED
+            return RoundDraft(_NO_DRAFT, hit=False if failed else None, miss=MISS_FAILED if failed else "", fallback=reason, speculates=False)
         k = self._sizing.k
         if k <= 0:  # many requests run, or auto measured target-only faster: a plain target step
             return RoundDraft(_NO_DRAFT, speculates=False, target_only=gen.load.target_only())

@@ -12,7 +12,8 @@ import asyncio
 
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import Generation
-from coordinator.ssd_rounds import SsdRequest
+from coordinator.ssd_rounds import Lookup, SsdRequest
+from coordinator.ssd_speculator import MISS_FAILED
 from specd.sampling import SamplingSettings
 from specd.v1 import draft_pb2, target_pb2
 
@@ -63,3 +64,22 @@ def test_a_round_whose_draft_went_down_during_its_backup_verifies_it_without_a_s
     assert speculated.drafted.draft.tokens == DRAFTED and speculated.drafted.source == "jit"
     assert speculated.speculation is None and draft.speculations == 0
     assert verified.next_token == 9
+
+
+def test_the_round_after_a_failed_speculate_counts_its_lookup_as_a_miss():
+    """The Speculate beside the last verify failed and marked the draft down: the next round
+    decodes target-only, and its lookup is a miss, `failed` (stats' cache_misses, the span's reason)."""
+
+    async def round_after_the_failure():
+        gen = Generation("s", [1, 2, 3, 4], SamplingSettings(), "ssd", len(DRAFTED), 64, False, 40)
+        draft = DraftLinkLostDuringPropose()
+        draft.info, draft.last_error = None, "the draft's Speculate failed"
+        ssd = SsdRequest(gen, TargetRejectingAll(), draft, CoordinatorConfig())
+        try:
+            return await ssd._draft_round(2, Lookup(len(gen.committed), None, MISS_FAILED, "the draft's Speculate failed"))
+        finally:
+            ssd.close()
+
+    drafted = asyncio.run(round_after_the_failure())
+    assert drafted.draft.tokens == [] and not drafted.speculates
+    assert drafted.hit is False and drafted.miss == MISS_FAILED and drafted.fallback
