@@ -228,3 +228,13 @@ def test_free_ports_are_never_the_ports_already_chosen(monkeypatch, metrics_port
     system.bound.add(50000)  # something else holds it now
     with pytest.raises(up_module.PortTaken, match="port 50000 on 127.0.0.1 is taken"):
         up_module.choose_ports("127.0.0.1", 50000, -1)
+
+
+def test_the_stack_starts_its_services_without_tls_settings():
+    """`specd up` wires and health-checks its services in plaintext: a client's SPECD_TLS_CERT_FILE
+    exported for `specd generate` (a server's setting by the same name) must not turn TLS on in them."""
+    from specd.cli.supervise import service_environment
+
+    environ = {"PATH": "/bin", "SPECD_TLS_CERT_FILE": "me.crt", "SPECD_TLS_KEY_FILE": "me.key",
+               "SPECD_WORKER_TLS_CA_FILE": "ca.crt", "SPECD_THREADS": "1"}
+    assert service_environment(environ) == {"PATH": "/bin", "SPECD_THREADS": "1"}

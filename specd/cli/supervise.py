@@ -10,6 +10,7 @@ same way. Each restart is said on stderr. Only stop_all (Ctrl-C, SIGTERM) ends t
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import signal
 import subprocess
@@ -17,10 +18,23 @@ import sys
 import time
 from typing import TextIO
 
+# `specd up` wires its services to each other and checks their health in plaintext on loopback.
+# These variables would turn TLS on in a service (and the client's SPECD_TLS_CERT_FILE and
+# SPECD_TLS_KEY_FILE, exported for `specd generate`, share their names with a server's), so the
+# services start without them.
+PLAINTEXT_STACK_DROPS = (
+    "SPECD_TLS_CERT_FILE", "SPECD_TLS_KEY_FILE", "SPECD_TLS_CLIENT_CA_FILE",
+    "SPECD_WORKER_TLS_CA_FILE", "SPECD_WORKER_TLS_CERT_FILE", "SPECD_WORKER_TLS_KEY_FILE",
+)
 FIRST_DELAY_S = 1.0
 MAX_DELAY_S = 30.0
 STABLE_S = 60.0  # a service that ran this long starts its next failure's back-off afresh
 POLL_S = 0.5
+
+
+def service_environment(environ) -> dict[str, str]:
+    """The environment a service of the stack starts with: this one without PLAINTEXT_STACK_DROPS."""
+    return {name: value for name, value in environ.items() if name not in PLAINTEXT_STACK_DROPS}
 
 
 @dataclasses.dataclass
@@ -86,6 +100,7 @@ class Supervisor:
         with service.log_path.open("ab") as log:  # a restart appends: the log of the death stays
             service.process = subprocess.Popen(
                 [sys.executable, "-m", "specd", "serve", *service.argv],
+                env=service_environment(os.environ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

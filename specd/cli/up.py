@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from specd.cli.supervise import Service, Supervisor, wait_serving  # noqa: F401 - wait_serving: for tests/tools
+from specd.cli.supervise import PLAINTEXT_STACK_DROPS, Service, Supervisor, wait_serving  # noqa: F401 - wait_serving: for tests/tools
 from specd.cpus import cpus_flags, describe_cpus, stack_layout
 from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET
 
@@ -201,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     supervisor.say(f"logs in {log_dir}")
+    ignored = [name for name in PLAINTEXT_STACK_DROPS if name in os.environ]
+    if ignored:
+        supervisor.say(f"serves plaintext on {args.host}; not passed to the services: {', '.join(ignored)} "
+                       "(to serve TLS, start each with `specd serve`: README, 'Running the services yourself')")
     if args.pin_cpus and (layout := stack_layout(args.threads, args.target_tensor_parallel)):
         supervisor.say(f"target pinned to {describe_cpus(layout['target'])}, draft and coordinator to "
                        f"{describe_cpus(layout['coordinator'])}")
