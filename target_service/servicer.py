@@ -76,8 +76,9 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
     async def Verify(self, request, context):
         try:
             runner = self._ready_runner()
-            # Off the event loop: a sampled verify's draft_probs are checked entry by entry.
-            call = await asyncio.to_thread(self._prepare, runner, request) if request.draft_probs else self._prepare(runner, request)
+            # Checked here, with no await before it counts as verifying: a VerifyAfter sent right
+            # behind it must find its session known. (At most MAX_VERIFY_DRAFT_TOKENS draft_probs.)
+            call = self._prepare(runner, request)
             self._verifying[call.session_id] += 1  # a VerifyAfter may follow it
             try:
                 with worker_span(
