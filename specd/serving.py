@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specd.grpc_port import add_port
 from specd.reflection import enable_reflection
 from specd.session_cache import SessionNotFound, SessionStale, TooManySessions
 from specd.undecodable import UndecodableInterceptor
@@ -142,16 +143,7 @@ def create_server(
     health_state = HealthState(service_full_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     enable_reflection([*service_full_names, health.SERVICE_NAME], server)
-    try:
-        if credentials is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = server.add_secure_port(f"{host}:{port}", credentials)
-    except RuntimeError:  # grpcio 1.85 raises where older ones returned 0
-        bound = 0
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port} (is the port taken?)")
-    return server, bound, health_state
+    return server, add_port(server, f"{host}:{port}", credentials), health_state
 
 
 async def wait_for_termination(server: grpc.aio.Server, grace_s: float, health: HealthState) -> None:

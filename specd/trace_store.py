@@ -21,6 +21,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from specd.grpc_port import add_port
+
 _KINDS = {v: k.removeprefix("SPAN_KIND_") for k, v in trace_pb2.Span.SpanKind.items()}
 
 
@@ -90,12 +92,7 @@ class Receiver:
         self.service = _TraceService(self.path)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])  # never shares its port
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.service, self.server)
-        try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError:  # grpcio 1.85 raises where older ones returned 0
-            self.port = 0
-        if self.port == 0:
-            raise OSError(f"could not bind {host}:{port} (is the port taken?)")
+        self.port = add_port(self.server, f"{host}:{port}")
         self.host = host
 
     @property
