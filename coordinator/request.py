@@ -57,9 +57,8 @@ def check(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config:
 
 
 def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig) -> ResolvedRequest:
-    """The request checked and its prompt tokenised: CPU work a caller sizes, so run it off the
-    event loop; the prompt's size in bytes is checked before any tokenising."""
-    check(request, target, config)
+    """A request that passed check(), its prompt tokenised: CPU work a caller sizes, so run it off
+    the event loop. (check() counted the prompt's bytes before any tokenising; not again here.)"""
     prompt_ids = _prompt_ids(request, target)
     _check_prompt_length(len(prompt_ids), target.context_length)
     defaults = dataclasses.replace(target.default_sampling, seed=secrets.randbits(63))
