@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from specd.serving import StatusError
+from specd.serving.status import StatusError
 
 # A worker that does not say its cap (an older one) is taken to have the workers' default.
 DEFAULT_WORKER_SESSIONS = 64

@@ -12,7 +12,7 @@ import hmac
 
 import grpc
 
-from specd.config import ConfigError
+from specd.core.config import ConfigError
 
 DENIED = "this coordinator requires metadata `authorization: Bearer TOKEN` with its token (--auth-token-file)"
 

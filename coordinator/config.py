@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from specd.config import ConfigError, setting
-from specd.cpus import check_cpus
-from specd.modes import AUTO, MODES
-from specd.tls import check_pair, check_server_settings
+from specd.core.config import ConfigError, setting
+from specd.serving.cpus import check_cpus
+from specd.serving.tls import check_pair, check_server_settings
+from specd.wire.modes import AUTO, MODES
 
 SSD_BACKUPS = ("jit", "ngram")
 MAX_SPECULATIVE_TOKENS = 32
+FROM_PROFILE = -1  # a setting the target device's profile fills in (coordinator/profiles.py)
+# The settings a device profile holds, which a flag set here overrides.
+PROFILE_SETTINGS = ("num_speculative_tokens", "ssd_budget", "ssd_fanout_r", "ssd_backup", "speculation_max_running")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,26 +26,24 @@ class CoordinatorConfig:
     tokenizer: str = setting("", "tokenizer folder or hub id (empty: the target worker's model)")
     default_mode: str = setting(AUTO, "speculation mode when a request says auto", choices=MODES)
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
-    # 3 for the default pair (docs/ssd.md, "The default pair: choosing K"; tools/sweep_k.py): with
-    # the prepacked verify, K = 3 led 4 by 4-5% in sd and ssd side by side, and 5 and 6 trailed.
-    num_speculative_tokens: int = setting(3, "K: draft tokens per round when a request does not say")
+    num_speculative_tokens: int = setting(
+        FROM_PROFILE, "K: draft tokens per round when a request does not say (-1: the target device's profile, coordinator/profiles.py)"
+    )
     max_support: int = setting(64, "at temperature > 0, the draft truncates q to its top-N tokens")
     default_max_new_tokens: int = setting(128, "max_new_tokens when a request does not say")
     max_new_tokens_limit: int = setting(4096, "largest max_new_tokens a request may ask for")
     max_prompt_bytes: int = setting(
         1 << 20, "largest prompt a request may send, in UTF-8 bytes (prompt, or the chat messages together), checked before tokenising"
     )
-    # 6 on the default pair: once the few-row kernel streamed weights at the one-row rate for 3-8
-    # rows, a verify of K + 1 = 4 tokens took ~40 ms instead of ~55, and a tree of 12 branches
-    # was no longer built in that time (hit rate 0.29-0.46): side by side on one pair of workers
-    # B = 6 ran 43.7 tokens/s, 5 43.7, 8 40.9, 12 32-35 (tools/ab_ssd.py, 2026-11-28; docs/ssd.md,
-    # "Budget and K: fixed"). Before that change 12 led 8 by 13-16%: the budget follows the verify.
-    ssd_budget: int = setting(6, "ssd: most branches B the draft builds per round (0: no cache, every round misses)")
-    ssd_fanout_r: float = setting(0.5, "ssd: exponent r of the power-law miss rate; fan-out F_k ~ P(k)^(1/(1+r))")
-    # ngram measured ahead of jit on the demo pair (tools/measure_ssd.py, docs/ssd.md): 98 vs 88
-    # tokens/s greedy, 47 vs 28 at temperature 1; a miss then costs no draft call at all.
+    ssd_budget: int = setting(
+        FROM_PROFILE, "ssd: most branches B the draft builds per round (0: no cache, every round misses; -1: the device profile's)"
+    )
+    ssd_fanout_r: float = setting(
+        float(FROM_PROFILE), "ssd: exponent r of the power-law miss rate; fan-out F_k ~ P(k)^(1/(1+r)) (-1: the device profile's)"
+    )
     ssd_backup: str = setting(
-        "ngram", "ssd: draft after a cache miss: ngram (prompt lookup) or jit (Propose on the draft worker)", choices=SSD_BACKUPS
+        "", "ssd: draft after a cache miss: ngram (prompt lookup) or jit (Propose on the draft worker); empty: the device profile's",
+        choices=("",) + SSD_BACKUPS,
     )
     ssd_wait_ms: float = setting(
         -1.0, "ssd, ngram backup: wait this long past verification for an unfinished cache (-1: half a verification)"
@@ -54,13 +55,13 @@ class CoordinatorConfig:
     ssd_speculate_early: bool = setting(
         True, "ssd, with verify ahead: start round T+1's Speculate for round T's likeliest outcome before Verify(T) answers"
     )
-    # 0 sizes it from the workers' --max-sessions (coordinator/admission.py, running_limit): the
-    # smaller cap less an eighth of headroom for sessions a failed EndSession left behind.
     max_concurrent_requests: int = setting(
         0, "requests served at once; more wait in the queue (0: from the workers' --max-sessions, less headroom)"
     )
     speculation_max_running: int = setting(
-        2, "requests at once up to which each speculates as asked; past it half K and budget, past twice it none (0: no limit)"
+        FROM_PROFILE,
+        "requests at once up to which each speculates as asked; past it half K and budget, past twice it none "
+        "(0: no limit; -1: the device profile's)",
     )
     max_queued_requests: int = setting(
         256, "requests that may wait for a place when --max-concurrent-requests are running; more get RESOURCE_EXHAUSTED"
@@ -69,25 +70,18 @@ class CoordinatorConfig:
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
-    # The default target on one CPU thread caches a 4k-token prompt in ~21 s and an 8k one in
-    # ~60 s (README, "Long prompts"): in one call, the worker timeout would cut it off.
     worker_call_tokens: int = setting(
         1024, "most committed tokens one worker call carries; a longer prompt goes ahead as Prefill calls of this many (0: no limit)"
     )
     draft_retry_s: float = setting(
         2.0, "a draft that cannot be reached is tried again this often; rounds go target-only until it answers its health check"
     )
-    # A hung draft fails no call: rounds would wait the whole worker timeout for it (docs/ssd.md,
-    # "A round"; coordinator/draft_wait.py). 4 calls' times leave a busy draft room; the floor
-    # covers calls too short to scale from.
     draft_wait_verifies: float = setting(
         4.0,
         "a round waits for the draft at most this many times the request's latest worker call, then takes its backup",
     )
     draft_wait_min_ms: float = setting(1000.0, "the least a round waits for the draft before it takes its backup")
     startup_timeout_s: float = setting(600.0, "give up if the target worker is not serving after this long")
-    # A request runs for seconds to minutes; a worker call for milliseconds, so the workers keep
-    # their 5 s. Kubernetes allows 45 s (deploy/k8s/base): the 5 s preStop, this, a last span flush.
     shutdown_grace_s: float = setting(
         25.0, "on SIGTERM, new requests are refused at once and those running get this long to finish"
     )
@@ -105,26 +99,26 @@ class CoordinatorConfig:
         if not self.target_address:
             raise ConfigError("--target-address is empty: give the target worker's HOST:PORT")
         check_cpus(self.cpus)
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"--num-speculative-tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.num_speculative_tokens != FROM_PROFILE and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--num-speculative-tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}] (or -1: the device profile's)")
         if self.max_support < 1:
             raise ConfigError("--max-support must be >= 1")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ConfigError("--default-max-new-tokens must lie in [1, --max-new-tokens-limit]")
         if self.max_prompt_bytes < 1:
             raise ConfigError("--max-prompt-bytes must be >= 1")
-        if self.ssd_budget < 0:
-            raise ConfigError("--ssd-budget must be >= 0")
-        if self.ssd_fanout_r < 0:
-            raise ConfigError("--ssd-fanout-r must be >= 0")
+        if self.ssd_budget < FROM_PROFILE:
+            raise ConfigError("--ssd-budget must be >= 0 (or -1: the device profile's)")
+        if self.ssd_fanout_r < 0 and self.ssd_fanout_r != FROM_PROFILE:
+            raise ConfigError("--ssd-fanout-r must be >= 0 (or -1: the device profile's)")
         if not 0.0 <= self.ssd_saguaro_c <= 1.0:
             raise ConfigError("--ssd-saguaro-c must lie in [0, 1] (1 = off)")
         if self.max_concurrent_requests < 0:
             raise ConfigError("--max-concurrent-requests must be >= 0 (0: sized from the workers' --max-sessions)")
         if self.max_queued_requests < 0:
             raise ConfigError("--max-queued-requests must be >= 0")
-        if self.speculation_max_running < 0:
-            raise ConfigError("--speculation-max-running must be >= 0 (0: no limit)")
+        if self.speculation_max_running < FROM_PROFILE:
+            raise ConfigError("--speculation-max-running must be >= 0 (0: no limit; -1: the device profile's)")
         if self.trace_max_round_spans < 1:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
@@ -137,3 +131,8 @@ class CoordinatorConfig:
         check_pair(self.worker_tls_cert_file, self.worker_tls_key_file, "--worker-tls-cert-file", "--worker-tls-key-file")
         if self.draft_wait_verifies <= 0 or self.draft_wait_min_ms < 0:
             raise ConfigError("--draft-wait-verifies must be > 0 and --draft-wait-min-ms >= 0")
+
+    def profile_overrides(self) -> dict:
+        """The device profile's settings that were set here (coordinator/profiles.py, profile_for)."""
+        values = {name: getattr(self, name) for name in PROFILE_SETTINGS}
+        return {name: value for name, value in values.items() if value not in (FROM_PROFILE, "")}

@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.speculation_cache import SpeculationCache
 from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, synced_call, worker_channel
-from specd.outcomes import guessed_outcomes
-from specd.sampling import SamplingSettings
+from specd.core.sampling import SamplingSettings
 from specd.v1 import draft_pb2, draft_pb2_grpc
-from specd.wire import sampling_to_proto
+from specd.wire.convert import sampling_to_proto
+from specd.wire.outcomes import guessed_outcomes
 
 log = logging.getLogger(__name__)
 

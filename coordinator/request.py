@@ -6,11 +6,13 @@ import dataclasses
 import secrets
 
 from coordinator.config import MAX_SPECULATIVE_TOKENS, CoordinatorConfig
-from specd.modes import MODES, mode_name
-from specd.sampling import SamplingSettings
-from specd.serving import InvalidRequest
+from coordinator.tokenizer import Tokenizer
+from specd.core.errors import InvalidRequest
+from specd.core.sampling import SamplingSettings
 from specd.v1 import coordinator_pb2
-from specd.wire import check_id_length, check_token_ids, sampling_from_proto
+from specd.wire.checks import check_id_length, check_token_ids
+from specd.wire.convert import sampling_from_proto
+from specd.wire.modes import MODES, mode_name
 
 # Stop strings are searched for after every token: a bounded number of bounded strings.
 MAX_STOP_STRINGS = 32
@@ -22,7 +24,7 @@ class TargetFacts:
     """What the coordinator knows of the target worker and its tokenizer."""
 
     model: str
-    tokenizer: object
+    tokenizer: Tokenizer
     vocab_size: int
     context_length: int
     eos_token_ids: frozenset[int]
@@ -44,7 +46,7 @@ class ResolvedRequest:
     return_logprobs: bool
 
 
-def check(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig) -> None:
+def check(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig, default_k: int) -> None:
     """Every check that needs no tokenising, sizes first. The coordinator runs it before the
     request queues for a place: bad input gets INVALID_ARGUMENT at once, never "retry later"
     from a full server, and no place is held for it."""
@@ -53,10 +55,10 @@ def check(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config:
     _max_new_tokens(request, config)
     sampling_from_proto(request.sampling, target.default_sampling)
     _check_stop(request.stop)
-    _num_speculative_tokens(request.speculation, config)
+    _num_speculative_tokens(request.speculation, default_k)
 
 
-def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig) -> ResolvedRequest:
+def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, config: CoordinatorConfig, default_k: int) -> ResolvedRequest:
     """A request that passed check(), its prompt tokenised: CPU work a caller sizes, so run it off
     the event loop. (check() counted the prompt's bytes before any tokenising; not again here.)"""
     prompt_ids = _prompt_ids(request, target)
@@ -70,7 +72,7 @@ def resolve(request: coordinator_pb2.GenerateRequest, target: TargetFacts, confi
         stop_strings=list(request.stop),
         ignore_eos=request.ignore_eos,
         mode=mode_name(request.speculation.mode),
-        num_speculative_tokens=_num_speculative_tokens(request.speculation, config),
+        num_speculative_tokens=_num_speculative_tokens(request.speculation, default_k),
         return_logprobs=request.return_logprobs,
     )
 
@@ -84,10 +86,10 @@ def _max_new_tokens(request: coordinator_pb2.GenerateRequest, config: Coordinato
     return max_new
 
 
-def _num_speculative_tokens(spec: coordinator_pb2.SpeculationParams, config: CoordinatorConfig) -> int:
+def _num_speculative_tokens(spec: coordinator_pb2.SpeculationParams, default_k: int) -> int:
     if spec.mode not in coordinator_pb2.SpeculationMode.values():
         raise InvalidRequest(f"speculation.mode {spec.mode} is not one of {', '.join(MODES)}")
-    k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else config.num_speculative_tokens
+    k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else default_k
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise InvalidRequest(
             f"speculation.num_speculative_tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
@@ -161,7 +163,7 @@ def _message_ids(chat: list[coordinator_pb2.ChatMessage], target: TargetFacts) -
     """The chat messages rendered with the tokenizer's chat template, then tokenised."""
     messages = [{"role": m.role, "content": m.content} for m in chat]
     try:
-        rendered = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered = target.tokenizer.apply_chat_template(messages)
     except Exception as exc:  # noqa: BLE001 - a template error is the caller's to fix
         raise InvalidRequest(f"messages: the chat template failed: {exc}") from None
     ids = list(target.tokenizer.encode(rendered, add_special_tokens=False))

@@ -34,8 +34,10 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specd.modes import mode_name
-from specd.telemetry import context_from_metadata, trace_id_hex
+from coordinator.policy import RoundPlan
+from coordinator.round_result import RoundResult
+from specd.observability.telemetry import context_from_metadata, trace_id_hex
+from specd.wire.modes import mode_name
 
 DEFAULT_MAX_ROUND_SPANS = 64
 FINISH_REASONS = {1: "stop", 2: "length"}
@@ -173,34 +175,38 @@ class RoundSpan:
         self.index = index
         self._summary = summary  # the aggregate this round folds into, past max_round_spans
 
-    def record(self, result=None, cache: str | None = None, fanout: int | None = None, **attributes) -> None:
-        """The round's outcome: a RoundResult's fields, cache "hit"/"miss" (ssd), fan-out."""
-        values = dict(attributes)
-        if result is not None:
-            values.update(
-                mode=result.mode,
-                num_draft=result.num_draft,
-                accepted=result.accepted,
-                next_token_kind="bonus" if result.bonus else "recovered",
-                draft_wait_ms=result.draft_wait_ms,
-                verify_ms=result.verify_ms,
-            )
-            if result.fallback_reason:
-                values["fallback_reason"] = result.fallback_reason
-            hit = getattr(result, "hit", None)  # ssd rounds: looked up in the speculation cache
-            if hit is not None:
-                values["cache"] = "hit" if hit else "miss"
-            for key in ("miss", "branches", "backup", "speculate_ms", "verified_ahead", "speculated_early", "target_only"):
-                if getattr(result, key, None):
-                    values[key] = getattr(result, key)
-        if cache is not None:
-            values["cache"] = cache
-        if fanout is not None:
-            values["fanout"] = fanout
+    def record(self, result: RoundResult) -> None:
+        """The round's outcome: a RoundResult's fields (ssd: its lookup, branches, backup too)."""
+        values = dict(
+            mode=result.mode,
+            num_draft=result.num_draft,
+            accepted=result.accepted,
+            next_token_kind="bonus" if result.bonus else "recovered",
+            draft_wait_ms=result.draft_wait_ms,
+            verify_ms=result.verify_ms,
+        )
+        if result.fallback_reason:
+            values["fallback_reason"] = result.fallback_reason
+        if result.hit is not None:  # ssd rounds: looked up in the speculation cache
+            values["cache"] = "hit" if result.hit else "miss"
+        for key in ("miss", "branches", "backup", "speculate_ms", "verified_ahead", "speculated_early", "target_only"):
+            if getattr(result, key):
+                values[key] = getattr(result, key)
         if self._summary is not None:
             _fold(self._summary, values)
         elif self.span.is_recording():
             self.span.set_attributes({f"specd.round.{k}": v for k, v in values.items()})
+
+    def record_plan(self, plan: RoundPlan) -> None:
+        """What the request's policy planned for the round, and what it planned from."""
+        if self._summary is None and self.span.is_recording():
+            self.span.set_attributes({
+                "specd.round.policy.num_draft": plan.num_draft,
+                "specd.round.policy.budget": plan.budget,
+                "specd.round.policy.backup": plan.backup,
+                "specd.round.policy.running": plan.running,
+                "specd.round.policy.acceptance": plan.acceptance,
+            })
 
 
 def _fold(summary: dict, values: dict) -> None:

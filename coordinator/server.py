@@ -10,19 +10,21 @@ import grpc
 
 from coordinator.auth import BearerTokenInterceptor, read_token
 from coordinator.config import CoordinatorConfig
+from coordinator.draft_link import DraftLink
+from coordinator.profiles import profile_for
 from coordinator.request import TargetFacts
 from coordinator.servicer import CoordinatorServicer
-from coordinator.draft_link import DraftLink
 from coordinator.target_link import TargetLink
-from specd.config import ConfigError
-from specd.models import load_tokenizer, tokenizer_fingerprint
-from specd.metrics import CoordinatorMetrics
-from specd.serving import NOT_SERVING, SERVING, RunningService, create_server
-from specd.telemetry import SERVICE_NAMES, client_interceptors as traced_client_interceptors, get_tracer, tracer_provider_from_env
-from specd.tls import channel_credentials, server_credentials
+from coordinator.tokenizer import Tokenizer
+from specd.core.config import ConfigError
+from specd.core.sampling import SamplingSettings
+from specd.observability.metrics import CoordinatorMetrics
+from specd.observability.telemetry import SERVICE_NAMES, get_tracer, tracer_provider_from_env
+from specd.observability.telemetry import client_interceptors as traced_client_interceptors
+from specd.serving.server import NOT_SERVING, SERVING, RunningService, create_server
+from specd.serving.tls import channel_credentials, server_credentials
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specd.wire import sampling_from_proto
-from specd.sampling import SamplingSettings
+from specd.wire.convert import sampling_from_proto, tokenizer_spec_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +49,36 @@ async def wait_for_target(target: TargetLink, timeout_s: float):
             await asyncio.sleep(0.5)
 
 
+def coordinator_tokenizer(config: CoordinatorConfig, info) -> Tokenizer:
+    """The target worker's tokenizer (or --tokenizer's), once it is known to tokenise as the target does."""
+    if config.tokenizer:
+        tokenizer, source = Tokenizer.from_files(config.tokenizer), repr(config.tokenizer)
+    elif info.HasField("tokenizer"):
+        tokenizer, source = Tokenizer(tokenizer_spec_from_proto(info.tokenizer)), "the target worker's"
+    else:
+        raise TokenizerMismatch(f"the target worker ({info.model!r}) sends no tokenizer; point --tokenizer at its model folder")
+    if tokenizer.fingerprint() != info.tokenizer_fingerprint:
+        raise TokenizerMismatch(
+            f"the coordinator's tokenizer {source} differs from the target worker's ({info.model!r}); "
+            "point --tokenizer at the target model"
+        )
+    mismatches = tokenizer.probe_mismatches()
+    if mismatches:
+        raise TokenizerMismatch(f"the coordinator does not tokenise as the target worker ({info.model!r}) does: " + "; ".join(mismatches))
+    return tokenizer
+
+
 async def connect(config: CoordinatorConfig, servicer: CoordinatorServicer) -> None:
     """Learn the target's facts and tokenizer; refuse a draft whose tokenizer differs."""
     info = await wait_for_target(servicer.target, config.startup_timeout_s)
-    tokenizer_name = config.tokenizer or info.model
-    tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_name)
-    if tokenizer_fingerprint(tokenizer) != info.tokenizer_fingerprint:
-        raise TokenizerMismatch(
-            f"the coordinator's tokenizer {tokenizer_name!r} differs from the target worker's "
-            f"({info.model!r}); point --tokenizer at the target model"
-        )
+    tokenizer = await asyncio.to_thread(coordinator_tokenizer, config, info)
     if servicer.draft is not None:
         servicer.draft.expected_fingerprint = info.tokenizer_fingerprint
         if not await servicer.draft.check(timeout_s=5.0) and servicer.draft.rejected_reason:
             raise TokenizerMismatch(servicer.draft.rejected_reason)
         if servicer.draft.info is None:
             log.warning("no draft worker yet (%s); decoding target-only until it is back", servicer.draft.last_error)
-    servicer.facts = TargetFacts(
+    facts = TargetFacts(
         model=info.model,
         tokenizer=tokenizer,
         vocab_size=info.vocab_size,
@@ -73,6 +88,9 @@ async def connect(config: CoordinatorConfig, servicer: CoordinatorServicer) -> N
         tensor_parallel=info.tensor_parallel,
         max_sessions=info.max_sessions,
     )
+    profile = profile_for(info.backend or info.device, config.profile_overrides())
+    log.info("the target serves on %s: speculating with %s", info.backend or info.device, profile)
+    servicer.connected(facts, profile)
 
 
 async def start_coordinator(
@@ -106,9 +124,7 @@ async def start_coordinator(
             worker_credentials,
             config.worker_call_tokens,
         )
-    servicer = CoordinatorServicer(config, target, draft)
-    servicer.tracer = get_tracer(provider)
-    servicer.metrics = CoordinatorMetrics()
+    servicer = CoordinatorServicer(config, target, draft, get_tracer(provider), CoordinatorMetrics())
     servicer.metrics.track_admission(servicer.admission)
     server, port, health_state = create_server(
         config.host,

@@ -2,7 +2,7 @@
 
 The draft worker builds it beside Verify(T) (draft_service/speculation.py) and sends it as a
 draft_pb2.SpeculationCache; the coordinator's DraftLink turns that into a SpeculationCache
-once, and everything after looks drafts up here by outcome (specd/outcomes.py, the key the target shares): the round's lookup
+once, and everything after looks drafts up here by outcome (specd/core/outcomes.py, the key the target shares): the round's lookup
 (coordinator/ssd_rounds.py), the verifies sent ahead (coordinator/verify_ahead.py) and the
 early Speculate (coordinator/ssd_speculator.py). Entries keep the draft's rank order, likeliest
 guess first.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from specd.outcomes import Outcome, outcome_of
-from specd.sampling import SparseDist
+from specd.core.outcomes import Outcome, outcome_of
+from specd.core.sampling import SparseDist
 from specd.v1 import draft_pb2
 
 

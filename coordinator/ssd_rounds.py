@@ -33,16 +33,17 @@ from typing import AsyncIterator
 
 from coordinator.backup import draft_after_miss
 from coordinator.config import CoordinatorConfig
-from coordinator.rounds import Generation, RoundResult
-from coordinator.speculation_cache import Draft
-from coordinator.ssd_sizing import RequestSizing
-from coordinator.ssd_speculator import MISS_FAILED, MISS_NO_SPECULATION, MISS_UNCOVERED, Speculation, Speculator
-from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
 from coordinator.draft_link import DraftFailed, DraftLink
+from coordinator.policy import RoundPlan
+from coordinator.request_state import RequestState
+from coordinator.round_result import RoundResult
+from coordinator.speculation_cache import Draft, SpeculationCache
+from coordinator.ssd_speculator import MISS_FAILED, MISS_NO_SPECULATION, MISS_UNCOVERED, Speculation, Speculator
 from coordinator.target_link import TargetLink
-from specd.modes import OFF, SSD
-from specd.outcomes import Outcome, outcome_of
+from coordinator.verify_ahead import SentAhead, VerifyAhead, cancel_unawaited
+from specd.core.outcomes import Outcome, outcome_of
 from specd.v1 import target_pb2
+from specd.wire.modes import OFF, SSD
 
 _NO_DRAFT = Draft([], [])
 
@@ -59,7 +60,7 @@ class RoundDraft:
     fallback: str = ""  # why the round cannot speculate, if it cannot
     wait_ms: float = 0.0  # what the loop waited on the draft to get it
     speculates: bool = True  # the draft is usable: a Speculate may go beside the verify
-    target_only: str = ""  # why the request's policy has this round draft nothing (coordinator/load.py)
+    target_only: str = ""  # why the request's policy has this round draft nothing (coordinator/policy.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,22 +119,17 @@ class SsdRequest:
     """One ssd request's in-flight state: the round already under way (a hit sent ahead), the
     lookup the next round drafts from, its Speculate calls and its verifies sent ahead."""
 
-    def __init__(self, gen: Generation, target: TargetLink, draft: DraftLink | None, config: CoordinatorConfig):
-        self.gen, self._target, self._draft, self._config = gen, target, draft, config
-        self._sizing = RequestSizing(gen.num_speculative_tokens, config.ssd_budget, gen.load)
-        self._ahead = VerifyAhead(gen, target)
-        self._speculator = Speculator(gen, draft, config, self._sizing, self._ahead)
+    def __init__(self, state: RequestState, target: TargetLink, draft: DraftLink | None, config: CoordinatorConfig):
+        self.state, self._target, self._draft, self._config = state, target, draft, config
+        self._ahead = VerifyAhead(state, target)
+        self._speculator = Speculator(state, draft, config)
         self._launch: _Launch | None = None
         self._lookup: Lookup | None = None
         self._beside: Speculation | None = None  # the Speculate beside the round in progress
 
-    @property
-    def remaining(self) -> int:
-        return self.gen.max_len - len(self.gen.committed)
-
-    async def speculate(self, index: int) -> Speculated:
+    async def speculate(self, index: int, plan: RoundPlan) -> Speculated:
         """SPECULATE: round T's draft to Verify(T), and Speculate(T) beside it."""
-        gen = self.gen
+        gen = self.state
         lookup, self._lookup = self._lookup, None
         launch, self._launch = self._launch, None
         if launch is not None and launch.at == len(gen.committed):
@@ -142,7 +138,7 @@ class SsdRequest:
             return Speculated(drafted, launch.verify, launch.speculation, launch.speculated_early)
         if launch is not None:
             launch.cancel()
-        drafted = await self._draft_round(index, lookup)
+        drafted = await self._draft_round(index, lookup, plan)
         draft = drafted.draft
         verify = asyncio.ensure_future(
             self._target.verify(gen.target_session, gen.committed, draft.tokens, draft.dists, gen.sampling, gen.return_logprobs)
@@ -154,19 +150,18 @@ class SsdRequest:
         self._beside = speculation
         return Speculated(drafted, verify, speculation)
 
-    async def _draft_round(self, index: int, lookup: Lookup | None) -> RoundDraft:
+    async def _draft_round(self, index: int, lookup: Lookup | None, plan: RoundPlan) -> RoundDraft:
         """Round T's draft: the cache hit, none (round 0, or one token left), or the backup's."""
-        gen, draft = self.gen, self._draft
+        gen, draft = self.state, self._draft
         if not (gen.mode == SSD and draft is not None and draft.usable()):
             reason = draft.last_error if draft is not None else "no draft worker is configured"
             # The Speculate beside the last verify failed (and marked the draft down): its lookup
             # still missed, and says why, as any other miss.
             failed = lookup is not None and lookup.miss == MISS_FAILED
             return RoundDraft(_NO_DRAFT, hit=False if failed else None, miss=MISS_FAILED if failed else "", fallback=reason, speculates=False)
-        k = self._sizing.k
-        if k <= 0:  # many requests run, or auto measured target-only faster: a plain target step
-            return RoundDraft(_NO_DRAFT, speculates=False, target_only=gen.load.target_only())
-        num_draft = min(k, self.remaining - 1)
+        if plan.num_draft <= 0:  # many requests run, or auto measured target-only faster: a plain target step
+            return RoundDraft(_NO_DRAFT, speculates=False, target_only=plan.target_only)
+        num_draft = min(plan.num_draft, gen.remaining - 1)
         if num_draft <= 0:
             return RoundDraft(_NO_DRAFT)
         waited_ms = lookup.wait_ms if lookup is not None else 0.0
@@ -178,10 +173,10 @@ class SsdRequest:
         miss = lookup.miss if lookup is not None else MISS_NO_SPECULATION
         started = time.perf_counter()
         try:
-            backup = await draft_after_miss(gen, draft, self._config, self._sizing, num_draft)
+            backup = await draft_after_miss(gen, draft, self._config, plan.backup, num_draft)
         except DraftFailed as exc:
             waited_ms += (time.perf_counter() - started) * 1000.0
-            return RoundDraft(_NO_DRAFT, "", False, miss, self._config.ssd_backup, str(exc), waited_ms, speculates=False)
+            return RoundDraft(_NO_DRAFT, "", False, miss, plan.backup, str(exc), waited_ms, speculates=False)
         waited_ms += (time.perf_counter() - started) * 1000.0
         return RoundDraft(Draft(backup.tokens, backup.dists), backup.source, False, miss, backup.source, wait_ms=waited_ms)
 
@@ -189,8 +184,8 @@ class SsdRequest:
         """VERIFY: wait for Verify(T); a cache built first goes on ahead (ssd_speculator)."""
         speculation = round.speculation
         try:
-            if speculation is not None:
-                await self._speculator.send_ahead_once_built(speculation, round.verify)
+            if speculation is not None and (cache := await self._speculator.built_first(speculation, round.verify)):
+                self._send_ahead(speculation, cache)
             response = await round.verify
         except BaseException:
             round.verify.cancel()  # a no-op once it answered
@@ -198,16 +193,18 @@ class SsdRequest:
                 speculation.task.cancel()
             raise
         tokens = round.drafted.draft.tokens
-        self._sizing.observe_round(len(tokens), response.accepted)
+        self.state.policy.verified(len(tokens), response.accepted)
         return Verified(response, tokens[: response.accepted] + [response.next_token])
 
     async def look_up(self, round: Speculated, verified: Verified) -> Lookup:
         """LOOK UP: Verify(T)'s outcome in the cache built beside it, once it is in."""
-        at = len(self.gen.committed) + len(verified.tokens)
+        at = len(self.state.committed) + len(verified.tokens)
         if round.speculation is None:
             return Lookup(at, None)
         started = time.perf_counter()
-        collected = await self._speculator.collect(round.speculation, verified.outcome, verified.response.forward_ms)
+        collected = await self._speculator.collect(
+            round.speculation, verified.outcome, verified.response.forward_ms, self.state.policy.backup
+        )
         wait_ms = (time.perf_counter() - started) * 1000.0
         cache = collected.cache
         if cache is None:
@@ -226,8 +223,8 @@ class SsdRequest:
         if sent is None:
             self._speculator.discard()
             return
-        with self.gen.trace.ahead(index):
-            self._launch = self._launch_ahead(index, sent, self.gen.committed + verified.tokens)
+        with self.state.trace.ahead(index):
+            self._launch = self._launch_ahead(index, sent, self.state.committed + verified.tokens)
 
     def _launch_ahead(self, index: int, sent: SentAhead, committed: list[int]) -> _Launch:
         """Round `index`, its verify sent ahead: wait for its answer, and the Speculate beside it."""
@@ -236,9 +233,20 @@ class SsdRequest:
         # as any round's: if another round may follow and the draft is up (it was a moment ago).
         speculation = self._speculator.adopt(committed, sent.draft.tokens, verify)
         early = speculation is not None
+        if early and (cache := self._speculator.take_built(speculation, verify)):  # its cache may be in already
+            self._send_ahead(speculation, cache)
         if not early and self._tree_fits(committed, sent.draft.tokens):
             speculation = self._speculator.beside(index, committed, sent.draft.tokens)
         return _Launch(len(committed), sent, verify, speculation, early)
+
+    def _send_ahead(self, speculation: Speculation, cache: SpeculationCache) -> None:
+        """A cache in before the verify it was built beside answered: round T+1's verify for each
+        cached outcome goes to the target now, and Speculate(T+1) starts early for the likeliest,
+        in round T+1's span (its work, started during round T)."""
+        max_k = speculation.num_tokens
+        with self.state.trace.ahead(speculation.index + 1):
+            self._ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
+            self._speculator.speculate_early(speculation, cache)
 
     def _tree_fits(self, committed: list[int], verifying: list[int]) -> bool:
         """Whether a Speculate beside this verify may be of use: the draft is up (the link is
@@ -248,8 +256,8 @@ class SsdRequest:
         return (
             self._draft is not None
             and self._draft.info is not None
-            and bool(self._sizing.budget)
-            and self.gen.max_len - len(committed) > 1
+            and bool(self.state.policy.budget)
+            and self.state.max_len - len(committed) > 1
             and self._speculator.tree_tokens(len(committed), len(verifying)) > 0
         )
 
@@ -291,8 +299,10 @@ class SsdRequest:
 async def ssd_round(request: SsdRequest, index: int) -> RoundResult:
     """Round `index`: SPECULATE, VERIFY, LOOK UP, in its span (opened already if its work
     started during the previous round); work for the next round opens that one's span."""
-    with request.gen.trace.round(index) as span:
-        speculated = await request.speculate(index)
+    with request.state.trace.round(index) as span:
+        plan = request.state.policy.plan()
+        span.record_plan(plan)
+        speculated = await request.speculate(index, plan)
         verified = await request.verify(speculated)
         lookup = await request.look_up(speculated, verified)
         request.start_next(index + 1, verified, lookup)
@@ -301,7 +311,7 @@ async def ssd_round(request: SsdRequest, index: int) -> RoundResult:
     return result
 
 
-async def ssd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | None, config: CoordinatorConfig) -> AsyncIterator[RoundResult]:
+async def ssd_rounds(state: RequestState, target: TargetLink, draft: DraftLink | None, config: CoordinatorConfig) -> AsyncIterator[RoundResult]:
     """Speculative speculative decoding; target-only rounds when the draft is off or away.
 
     Round 0 verifies no draft: its Verify carries the whole prompt, so the target's prefill
@@ -310,10 +320,10 @@ async def ssd_rounds(gen: Generation, target: TargetLink, draft: DraftLink | Non
     any tree, so round 1 is a hit sent ahead). A Propose for round 0 would have the target
     prefill and then verify separately, one more forward and one more trip per request.
     """
-    request = SsdRequest(gen, target, draft, config)
+    request = SsdRequest(state, target, draft, config)
     try:
         index = 0
-        while request.remaining > 0:
+        while state.remaining > 0:
             yield await ssd_round(request, index)
             index += 1
     finally:

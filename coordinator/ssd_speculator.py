@@ -1,15 +1,14 @@
 """ssd's SPECULATE side: a request's Speculate calls, and the wait for the cache they build.
 
 - beside(): Speculate(T) goes out with Verify(T); the draft guesses Verify(T)'s outcomes
-  (k, t*) - F_k guesses per k under the budget (coordinator/ssd_sizing.py) - and drafts K'
-  tokens after each (draft_service/speculation.py).
-- send_ahead(): the cache is in while Verify(T) still runs: round T+1's verify for each cached
-  outcome goes to the target at once (coordinator/verify_ahead.py), in round T+1's span
-  (opened then: RoundTrace.ahead), and, with
-  config.ssd_speculate_early, Speculate(T+1) starts for Verify(T)'s likeliest outcome (early):
-  on a hit sent ahead the target runs round T+1 straight after round T, and a tree started only
-  after two more trips would arrive after Verify(T+1). adopt() takes that early Speculate as
-  round T+1's when its outcome came true; another outcome cancels it (discard()).
+  (k, t*) - F_k guesses per k under the budget (the request's policy, coordinator/policy.py) -
+  and drafts K' tokens after each (draft_service/speculation.py).
+- built_first(): whether the cache came in while Verify(T) still runs; then the round loop sends
+  round T+1's verifies ahead (coordinator/verify_ahead.py) and, with config.ssd_speculate_early,
+  speculate_early() starts Speculate(T+1) for Verify(T)'s likeliest outcome: on a hit sent
+  ahead the target runs round T+1 straight after round T, and a tree started only after two more
+  trips would arrive after Verify(T+1). adopt() takes that early Speculate as round T+1's when
+  its outcome came true; another outcome cancels it (discard()).
 - collect(): the cache once built, or why not (Collected), within the draft wait bounds.
 
 Whatever happens, the committed tokens stay the coordinator's: an early Speculate that is
@@ -23,14 +22,12 @@ import dataclasses
 import time
 
 from coordinator.config import CoordinatorConfig
-from coordinator.rounds import Generation
-from coordinator.speculation_cache import SpeculationCache
-from coordinator.ssd_sizing import RequestSizing
-from coordinator.verify_ahead import VerifyAhead
 from coordinator.draft_link import DraftFailed, DraftLink
-from specd.outcomes import Outcome
+from coordinator.request_state import RequestState
+from coordinator.speculation_cache import SpeculationCache
+from specd.core.outcomes import Outcome
 from specd.v1 import draft_pb2
-from specd.wire import sampling_to_proto
+from specd.wire.convert import sampling_to_proto
 
 # Speculate early only for an outcome at least this likely: one that does not come true is
 # cancelled, and the Speculate that replaces it waits for the draft's current tree step.
@@ -41,9 +38,9 @@ _EARLY_MIN_PROBABILITY = 0.5
 MISS_UNCOVERED, MISS_LATE, MISS_FAILED, MISS_NO_SPECULATION = "uncovered", "late", "failed", "no_speculation"
 
 
-def saguaro(config: CoordinatorConfig, gen: Generation, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
+def saguaro(config: CoordinatorConfig, state: RequestState, fanout: list[int]) -> draft_pb2.SaguaroParams | None:
     """Saguaro sampling for drafts whose positions will get `fanout` guesses; None when off."""
-    if gen.sampling.greedy or config.ssd_saguaro_c >= 1.0 or not fanout:
+    if state.sampling.greedy or config.ssd_saguaro_c >= 1.0 or not fanout:
         return None
     return draft_pb2.SaguaroParams(c=config.ssd_saguaro_c, fanout=fanout)
 
@@ -76,47 +73,48 @@ class Collected:
 class Speculator:
     """One request's Speculate calls: beside a verify, and early."""
 
-    def __init__(self, gen: Generation, draft: DraftLink | None, config: CoordinatorConfig, sizing: RequestSizing, ahead: VerifyAhead):
-        self._gen, self._draft, self._config, self._sizing = gen, draft, config, sizing
-        self.ahead = ahead
+    def __init__(self, state: RequestState, draft: DraftLink | None, config: CoordinatorConfig):
+        self._state, self._draft, self._config = state, draft, config
         self._early: tuple[Speculation, int] | None = None  # and len(committed) the draft surely holds
 
     def tree_tokens(self, committed: int, verifying: int) -> int:
-        """K' of a tree beside the verify of `verifying` tokens after `committed`: the sizing's K,
+        """K' of a tree beside the verify of `verifying` tokens after `committed`: the policy's K,
         less near the end of the draft's context, which the deepest branch (all accepted, its
         t*, then K' drafted) must fit in; 0 or less: no tree fits. (Past max_len a branch drafts
         what no round will verify, as sd's Propose for that outcome would: not cut here.)"""
-        return min(self._sizing.k, self._draft.room(committed + verifying + 1))
+        return min(self._state.policy.k, self._draft.room(committed + verifying + 1))
 
     def beside(self, index: int, committed: list[int], verifying: list[int]) -> Speculation:
         """Start Speculate beside round `index`'s verify, of `verifying` after `committed`,
         in the current span (the caller's: that round's). The caller checks tree_tokens > 0."""
-        gen, sizing, config = self._gen, self._sizing, self._config
+        state, policy = self._state, self._state.policy
         vocab = self._draft.info.vocab_size
-        fanout = sizing.fanout(len(verifying), vocab, config.ssd_fanout_r)
+        fanout = policy.fanout(len(verifying), vocab)
         num_tokens = self.tree_tokens(len(committed), len(verifying))
-        assert num_tokens > 0, (len(committed), len(verifying), gen.max_len)
+        assert num_tokens > 0, (len(committed), len(verifying), state.max_len)
         request = draft_pb2.SpeculateRequest(
-            session_id=gen.session_id,
+            session_id=state.session_id,
             draft_tokens=verifying,
             num_tokens=num_tokens,
             fanout=fanout,
-            sampling=sampling_to_proto(gen.sampling),
-            max_support=gen.max_support,
-            saguaro=saguaro(config, gen, sizing.fanout(sizing.k, vocab, config.ssd_fanout_r)[: sizing.k]),
+            sampling=sampling_to_proto(state.sampling),
+            max_support=state.max_support,
+            saguaro=saguaro(self._config, state, policy.fanout(policy.k, vocab)[: policy.k]),
         )
         guesses = asyncio.get_running_loop().create_future()
         committed = list(committed)  # as it stands now: the caller's list grows when this round commits
-        task = asyncio.ensure_future(self._draft.speculate(gen.draft_session, committed, request, guesses))
+        task = asyncio.ensure_future(self._draft.speculate(state.draft_session, committed, request, guesses))
         return Speculation(index, task, guesses, sum(fanout), num_tokens, time.perf_counter(), committed, list(verifying))
 
-    async def send_ahead_once_built(self, speculation: Speculation, verify: asyncio.Future) -> None:
-        """Wait for `verify` or the cache beside it, whichever comes first; a cache first goes
-        on to the target (send_ahead). The loop calls this while it waits for the verify."""
-        if self._config.ssd_verify_ahead and not speculation.task.done():
+    async def built_first(self, speculation: Speculation, verify: asyncio.Future) -> SpeculationCache | None:
+        """Wait for `verify` or the cache beside it, whichever comes first: the cache, if it came
+        while `verify` still runs and has not gone ahead yet (the loop calls this while it waits)."""
+        if not self._config.ssd_verify_ahead:
+            return None
+        if not speculation.task.done():
             await asyncio.wait({speculation.task, verify}, return_when=asyncio.FIRST_COMPLETED)
-        caught_up = self._gen.target_session.caught_up
-        if self._config.ssd_verify_ahead and not caught_up.is_set() and not verify.done():
+        caught_up = self._state.target_session.caught_up
+        if not caught_up.is_set() and not verify.done():
             # The verify still sends a long prompt ahead of itself: a VerifyAfter sent now would
             # spend its deadline waiting behind those calls. It goes once the verify itself is out.
             waiting = asyncio.ensure_future(caught_up.wait())
@@ -124,36 +122,32 @@ class Speculator:
                 await asyncio.wait({waiting, verify}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 waiting.cancel()
-        self.send_ahead(speculation, verify)
+        return self.take_built(speculation, verify)
 
-    def send_ahead(self, speculation: Speculation, verify: asyncio.Future) -> None:
-        """If the cache is in and `verify` has not answered: send round T+1's verifies ahead,
-        and start Speculate(T+1) for the verify's likeliest outcome."""
+    def take_built(self, speculation: Speculation, verify: asyncio.Future) -> SpeculationCache | None:
+        """The cache, if it is in, `verify` has not answered and it has not gone ahead yet (it is now)."""
         task = speculation.task
         if not self._config.ssd_verify_ahead or speculation.sent_ahead or verify.done() or not task.done():
-            return
+            return None
         if task.cancelled() or task.exception() is not None:
-            return
+            return None
         speculation.sent_ahead = True
-        cache, max_k = task.result(), speculation.num_tokens
-        with self._gen.trace.ahead(speculation.index + 1):  # what it starts is the next round's work
-            self.ahead.send(speculation.committed, speculation.verifying, cache, lambda remaining: min(max_k, remaining - 1))
-            self._speculate_early(speculation, cache)
+        return task.result()
 
-    def _speculate_early(self, speculation: Speculation, cache: SpeculationCache) -> None:
+    def speculate_early(self, speculation: Speculation, cache: SpeculationCache) -> None:
         """Speculate(T+1) for the likeliest outcome of the verify `speculation` ran beside."""
         self.discard()
-        gen = self._gen
+        state, policy = self._state, self._state.policy
         if not self._config.ssd_speculate_early or self._draft is None or self._draft.info is None:
             return
-        entry = _likeliest(cache, len(speculation.verifying), self._sizing.acceptance)
+        entry = _likeliest(cache, len(speculation.verifying), policy.acceptance.value)
         if entry is None:
             return
         emitted = speculation.verifying[: entry.accepted] + [entry.next_token]
         committed = speculation.committed + emitted
-        count = min(speculation.num_tokens, gen.max_len - len(committed) - 1)
+        count = min(speculation.num_tokens, state.max_len - len(committed) - 1)
         # As VerifyAhead.send: such an outcome gets a choice, and a round may follow it.
-        if count <= 0 or not gen.eos_token_ids.isdisjoint(emitted) or not self._sizing.budget:
+        if count <= 0 or not state.eos_token_ids.isdisjoint(emitted) or not policy.budget:
             return
         if self.tree_tokens(len(committed), count) <= 0:
             return
@@ -169,7 +163,6 @@ class Speculator:
         if speculation.committed != committed or speculation.verifying != verifying or speculation.task.cancelled():
             self._drop(early)
             return None
-        self.send_ahead(speculation, verify)  # its cache may be in already
         return speculation
 
     def discard(self) -> None:
@@ -181,9 +174,9 @@ class Speculator:
     def _drop(self, early: tuple[Speculation, int]) -> None:
         speculation, base = early
         speculation.task.cancel()
-        self._gen.draft_session.unsure_after(base)  # the draft may hold the assumed tokens
+        self._state.draft_session.unsure_after(base)  # the draft may hold the assumed tokens
 
-    async def collect(self, speculation: Speculation, outcome: Outcome, verify_ms: float) -> Collected:
+    async def collect(self, speculation: Speculation, outcome: Outcome, verify_ms: float, backup: str) -> Collected:
         """The cache once built, or why not.
 
         The stream names the outcomes it covers after its first forward: an outcome not among
@@ -195,7 +188,7 @@ class Speculator:
         within the draft wait (coordinator/draft_wait.py) is taken for hung: the build is
         cancelled and the draft marked down.
         """
-        wait_s = self._gen.draft_wait_s()
+        wait_s = self._state.draft_wait_s()
         hung_at = time.perf_counter() + wait_s
         give_up_at = self._give_up_at(speculation, verify_ms)
         try:
@@ -204,7 +197,7 @@ class Speculator:
             if speculation.guesses.done() and outcome not in speculation.guesses.result() and not speculation.task.done():
                 speculation.task.cancel()
                 return Collected(None, MISS_UNCOVERED)
-            if self._config.ssd_backup == "ngram":
+            if backup == "ngram":
                 if not await _built_within(speculation, min(give_up_at, hung_at)):
                     speculation.task.cancel()
                     return Collected(None, MISS_LATE)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator.rounds import RoundResult
-from specd.modes import OFF, mode_value
+from coordinator.round_result import RoundResult
 from specd.v1 import coordinator_pb2
+from specd.wire.modes import OFF, mode_value
 
 
 @dataclasses.dataclass

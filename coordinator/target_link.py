@@ -9,10 +9,10 @@ from typing import Iterable
 import grpc
 
 from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, remaining_s, synced_call, worker_channel
-from specd.sampling import SamplingSettings, SparseDist
-from specd.serving import StatusError, Unavailable
+from specd.core.sampling import SamplingSettings, SparseDist
+from specd.serving.status import StatusError, Unavailable
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specd.wire import sampling_to_proto, sparse_to_proto
+from specd.wire.convert import sampling_to_proto, sparse_to_proto
 
 
 class TargetUnavailable(Unavailable):

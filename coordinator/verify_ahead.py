@@ -15,10 +15,10 @@ import asyncio
 import dataclasses
 from typing import Callable
 
-from coordinator.rounds import Generation
+from coordinator.request_state import RequestState
 from coordinator.speculation_cache import CachedDraft, Draft, SpeculationCache
 from coordinator.target_link import TargetLink, verify_request
-from specd.outcomes import Outcome
+from specd.core.outcomes import Outcome
 from specd.v1 import common_pb2, target_pb2
 
 
@@ -44,8 +44,8 @@ def cancel_unawaited(call: asyncio.Future) -> None:
 class VerifyAhead:
     """A request's VerifyAfter call in flight, if any, and the draft each of its choices verifies."""
 
-    def __init__(self, gen: Generation, target: TargetLink):
-        self._gen = gen
+    def __init__(self, state: RequestState, target: TargetLink):
+        self._state = state
         self._target = target
         self._call: asyncio.Future | None = None
         self._deadline = 0.0  # that of the call in flight
@@ -66,7 +66,7 @@ class VerifyAhead:
         `num_draft(remaining)` is round T+1's K when `remaining` tokens may still be generated.
         Outcomes that end the request (no room left, or an EOS emitted) get no choice.
         """
-        gen = self._gen
+        gen = self._state
         after = len(committed)
         choices = []
         for cached in cache:
@@ -102,7 +102,7 @@ class VerifyAhead:
         """Round T+1's verify after `committed` (round T's tokens included): the answer to the
         choice sent ahead, or the same draft verified now if that call failed. The two share
         one deadline: a hung target fails the round within one worker timeout, not two."""
-        gen, draft = self._gen, sent.draft
+        gen, draft = self._state, sent.draft
         try:
             response = await sent.call
         except Exception:  # noqa: BLE001 - the plain Verify below re-syncs or reports the target's state

@@ -16,8 +16,8 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from specd.serving import GRPC_OPTIONS
-from specd.telemetry import trace_metadata
+from specd.observability.telemetry import trace_metadata
+from specd.serving.server import GRPC_OPTIONS
 from specd.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ def call_metadata_source(interceptors: list | None) -> Callable[[], tuple]:
 
 
 def worker_channel(address: str, interceptors: list | None, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """A channel to a worker: TLS with `credentials` (specd.tls.channel_credentials), else plaintext."""
+    """A channel to a worker: TLS with `credentials` (specd.serving.tls.channel_credentials), else plaintext."""
     options = GRPC_OPTIONS + _RECONNECT_OPTIONS + _KEEPALIVE_OPTIONS
     if credentials is not None:
         return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from draft_service.copy_drafting import CopyDrafting
-from specd.config import ConfigError, setting
-from specd.default_pair import DEFAULT_DRAFT
-from specd.worker_config import WorkerConfig
+from specd.core.config import ConfigError, setting
+from specd.engine.default_pair import DEFAULT_DRAFT
+from specd.worker.config import WorkerConfig
 
 
 @dataclasses.dataclass(frozen=True)

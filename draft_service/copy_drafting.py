@@ -19,12 +19,10 @@ draft's 2.23 tokens per round on code and chat rose to 2.67 with ngram 3 (docs/c
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from specd.context_match import ContextMatcher
-
-if TYPE_CHECKING:  # specd.sampling imports torch; the draft's settings (and --help) load without it
-    from specd.sampling import SparseDist
+from specd.core.context_match import ContextMatcher
+from specd.core.sampling import SparseDist
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The draft model runner: sessions and forwards, with no gRPC in it.
 
-Propose and Speculate are step jobs (specd/step_batcher.py): generators that yield each
+Propose and Speculate are step jobs (specd/engine/step_batcher.py): generators that yield each
 forward they need, so that the jobs of different sessions share forwards. `propose` and
 `speculate` run one job alone.
 """
@@ -8,18 +8,17 @@ forward they need, so that the jobs of different sessions share forwards. `propo
 from __future__ import annotations
 
 import dataclasses
-
 import threading
 
 from draft_service.copy_drafting import OFF, CopyDrafting
 from draft_service.speculation import DraftPenalty, SpeculationResult, build_steps, draft_distributions, sample_draft_token
-from specd.forward import forward_logits, prefill_session
-from specd.lean_llama import lean_or_plain
-from specd.models import LoadedModel
-from specd.packed_forward import Segment, enable_packing
-from specd.sampling import SamplingSettings, SparseDist
-from specd.session_cache import Session, SessionStore
-from specd.step_batcher import Job, Step, guarded_step, run_alone
+from specd.core.sampling import SamplingSettings, SparseDist
+from specd.engine.forward import forward_logits, prefill_session
+from specd.engine.lean_llama import lean_or_plain
+from specd.engine.loading import LoadedModel
+from specd.engine.packed_forward import Segment, enable_packing
+from specd.engine.session_cache import Session, SessionStore
+from specd.engine.step_batcher import Job, Step, guarded_step, run_alone
 
 
 @dataclasses.dataclass(frozen=True)

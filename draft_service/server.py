@@ -7,12 +7,12 @@ import logging
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
-from specd.forward import prepare_forwards, warm_up
-from specd.models import load_causal_lm, set_threads
-from specd.serving import RunningService
-from specd.session_cache import SessionStore
-from specd.worker_server import start_worker
+from specd.engine.forward import prepare_forwards, warm_up
+from specd.engine.loading import load_causal_lm, set_threads
+from specd.engine.session_cache import SessionStore
+from specd.serving.server import RunningService
 from specd.v1 import draft_pb2, draft_pb2_grpc
+from specd.worker.server import start_worker
 
 log = logging.getLogger(__name__)
 

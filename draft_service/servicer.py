@@ -9,13 +9,16 @@ import threading
 
 from draft_service.runner import DraftModelRunner
 from draft_service.speculation import SpeculationCancelled, SpeculationResult
-from specd.sampling import SamplingSettings
-from specd.serving import InvalidRequest, ModelThread, abort_on_error
-from specd.step_batcher import StepBatcher
-from specd.telemetry import set_specd, worker_span
+from specd.core.errors import InvalidRequest
+from specd.core.sampling import SamplingSettings
+from specd.engine.step_batcher import StepBatcher
+from specd.observability.telemetry import set_specd, worker_span
+from specd.serving.model_thread import ModelThread
+from specd.serving.status import abort_on_error
 from specd.v1 import draft_pb2, draft_pb2_grpc
-from specd.wire import check_committed, check_token_ids, sampling_from_proto, sparse_to_proto
-from specd.worker_servicer import WorkerServicer, common_info
+from specd.wire.checks import check_committed, check_token_ids
+from specd.wire.convert import sampling_from_proto, sparse_to_proto
+from specd.worker.servicer import WorkerServicer, common_info
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,13 +24,14 @@ import torch
 
 from draft_service.copy_drafting import OFF, Copier, CopyDrafting
 from draft_service.tree_mask import TreeMasks, tree_supported
-from specd.forward import forward_logits
-from specd.kv_cache import croppable
-from specd.packed_forward import Segment
-from specd.saguaro import reshape_sorted
-from specd.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, penalize_seen, sample_sparse, seen_ids
-from specd.session_cache import Session
-from specd.step_batcher import Job, Step, guarded_step, run_alone
+from specd.core.logits import penalize_seen, seen_ids
+from specd.core.saguaro import reshape_sorted
+from specd.core.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
+from specd.engine.forward import forward_logits
+from specd.engine.kv_cache import croppable
+from specd.engine.packed_forward import Segment
+from specd.engine.session_cache import Session
+from specd.engine.step_batcher import Job, Step, guarded_step, run_alone
 
 
 class SpeculationCancelled(Exception):
@@ -170,7 +171,7 @@ def build_steps(
     `feed` is what Session.sync left to feed (ends with the last committed token). Leaves the
     session caching committed + d_1..d_K. fanout: F_0..F_K (len K+1). `on_guesses` gets the
     branches' (k, t*) right after step 0; `cancel` stops the build between steps. A step job
-    (specd/step_batcher.py): it yields each forward and returns the result.
+    (specd/engine/step_batcher.py): it yields each forward and returns the result.
     """
     assert len(fanout) == len(draft_tokens) + 1, (fanout, draft_tokens)
     started = time.perf_counter()

@@ -3,7 +3,7 @@
 The servicer calls these methods from one executor thread. A tensor-parallel
 runner offers the same methods: rank 0 broadcasts each call and every rank runs it.
 Verifies and prompt prefills of different sessions that are ready together run as one
-packed forward (specd/packed_forward.py); each verify then takes its own ratio test.
+packed forward (specd/engine/packed_forward.py); each verify then takes its own ratio test.
 In a forward shared with other sessions, a call that still has to cache a long stretch of
 committed tokens (a new prompt) caches at most `prefill_chunk` of them and runs again in the
 next batch (AGAIN), so that one long prompt does not make everyone's step as slow as its
@@ -19,22 +19,14 @@ from typing import NamedTuple
 
 import torch
 
-from specd.batcher import AGAIN, Again
-from specd.forward import forward_logits
-from specd.models import LoadedModel
-from specd.packed_forward import Segment, enable_packing
-from specd.sampling import (
-    Purpose,
-    SamplingSettings,
-    SparseDist,
-    keyed_uniforms,
-    logits_to_probs,
-    penalize_repeats,
-    sparse_to_dense,
-)
-from specd.session_cache import Session, SessionStore
-from specd.verify import greedy_verify, rejection_sample
-
+from specd.core.logits import keyed_uniforms, logits_to_probs, penalize_repeats, sparse_to_dense
+from specd.core.sampling import Purpose, SamplingSettings, SparseDist
+from specd.core.verify import greedy_verify, rejection_sample
+from specd.engine.batcher import AGAIN, Again
+from specd.engine.forward import forward_logits
+from specd.engine.loading import LoadedModel
+from specd.engine.packed_forward import Segment, enable_packing
+from specd.engine.session_cache import Session, SessionStore
 
 MIN_CHUNK = 16  # fewest catch-up tokens a cut call caches per forward, however full the forward: it must progress
 

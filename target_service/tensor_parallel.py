@@ -33,8 +33,8 @@ import logging
 import os
 import subprocess
 
-from specd.config import ConfigError
-from specd.serving import NOT_SERVING
+from specd.core.config import ConfigError
+from specd.serving.server import NOT_SERVING
 from target_service.config import TargetConfig
 from target_service.tp_follower import run_follower
 from target_service.tp_job import Job, RankFailure, env_rank, launch_peers

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from specd.serving import status_for
+from specd.serving.status import status_for
 from target_service.config import TargetConfig
 from target_service.tp_job import (
     CONFIG_ENV,

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from specd.config import ConfigError
-from specd.forward import warm_up
-from specd.models import load_causal_lm, set_threads
-from specd.session_cache import SessionStore
+from specd.core.config import ConfigError
+from specd.engine.forward import warm_up
+from specd.engine.loading import load_causal_lm, set_threads
+from specd.engine.session_cache import SessionStore
 from target_service.config import TargetConfig
 from target_service.runner import TargetModelRunner
 
@@ -45,12 +45,12 @@ class RankFailure(OSError):
 def out_of_step_error(result: Any) -> Exception | None:
     """The first of a run_batch's per-call results that is an error other than a request error.
 
-    A request error (specd.serving.status_for knows it) is raised alike on every rank before any
+    A request error (specd.serving.status.status_for knows it) is raised alike on every rank before any
     collective. Anything else (a forward that failed here: memory, a collective) may have struck
     this rank alone, and the runner reset the call's session here only: the ranks' caches are out
     of step, and the job must go down rather than serve from them.
     """
-    from specd.serving import status_for
+    from specd.serving.status import status_for
 
     if not isinstance(result, list):
         return None

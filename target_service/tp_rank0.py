@@ -9,8 +9,8 @@ import time
 
 import torch.distributed as dist
 
-from specd.serving import Unavailable, status_for
-from specd.session_cache import SessionStore
+from specd.engine.session_cache import SessionStore
+from specd.serving.status import Unavailable, status_for
 from target_service.config import TargetConfig
 from target_service.runner import TargetModelRunner
 from target_service.tp_job import END_SESSIONS, HEARTBEAT, SHUTDOWN, Job, load_local_runner, out_of_step_error

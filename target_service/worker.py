@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from specd.config import ConfigError
-from specd.forward import prepare_forwards, warm_up
-from specd.models import load_causal_lm, set_threads
-from specd.serving import RunningService
-from specd.session_cache import SessionStore
+from specd.core.config import ConfigError
+from specd.engine.forward import prepare_forwards, warm_up
+from specd.engine.loading import load_causal_lm, set_threads
+from specd.engine.session_cache import SessionStore
+from specd.serving.server import RunningService
 from specd.v1 import target_pb2, target_pb2_grpc
-from specd.worker_server import start_worker
+from specd.worker.server import start_worker
 from target_service.config import TargetConfig
 from target_service.prefill_pacing import FIRST_CHUNK_TOKENS, PrefillPacer
 from target_service.runner import TargetModelRunner

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from specd.sampling import penalize_repeats
+from specd.core.logits import penalize_repeats
 from specd.v1 import common_pb2
 from specd.v1 import coordinator_pb2 as pb
 from tests.stack import ServiceStack

@@ -10,9 +10,9 @@ from typing import Callable
 import pytest
 import torch
 
-from specd import prepacked_linear
-from specd.kv_cache import GrowingKVCache
-from specd.prepacked_linear import PrepackedLinear
+from specd.engine.backends.cpu_kernels import prepacked_linear
+from specd.engine.backends.cpu_kernels.prepacked_linear import PrepackedLinear
+from specd.engine.kv_cache import GrowingKVCache
 
 builds_here = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64") or not (shutil.which("cc") or shutil.which("gcc")),

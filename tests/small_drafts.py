@@ -1,4 +1,4 @@
-"""A small draft of the default target, for the draft recipe's tests (tools/train_draft.py)."""
+"""A small draft of the default target, for the draft recipe's tests (recipes/train_draft.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 
 import train_draft  # noqa: E402
 

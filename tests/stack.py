@@ -6,6 +6,7 @@ Tests talk to them through real gRPC channels, as any client would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -13,7 +14,7 @@ from typing import Callable
 
 import grpc
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import PROFILE_SETTINGS, CoordinatorConfig
 from coordinator.server import start_coordinator
 from draft_service.config import DraftConfig
 from draft_service.server import start_draft
@@ -209,3 +210,19 @@ def slow_verify(runner, seconds: float) -> None:
         return original(calls, most_tokens)
 
     runner.run_batch = slow
+
+
+@contextlib.contextmanager
+def coordinator_settings(servicer, **overrides):
+    """The coordinator's settings changed for what runs inside: its config's, and the device
+    profile's that the config overrides (ssd_budget, ssd_backup, ...)."""
+    config, profile = servicer.config, servicer.profile
+    changed = dataclasses.replace(config, **overrides)
+    profile_changes = {name: value for name, value in overrides.items() if name in PROFILE_SETTINGS}
+    servicer.config = servicer.generator.config = changed
+    servicer.profile = dataclasses.replace(profile, **profile_changes)
+    try:
+        yield
+    finally:
+        servicer.config = servicer.generator.config = config
+        servicer.profile = profile

@@ -61,7 +61,7 @@ def test_what_runs_before_a_model_loads_does_not_import_torch():
     without torch and transformers: importing them takes ~9 s on the 2-core machine."""
     code = (
         "import sys; import specd.cli.up, specd.cli.serve, target_service.config, draft_service.config, coordinator.config; "
-        "from specd.model_names import resolve; resolve('.'); "
+        "from specd.engine.model_names import resolve; resolve('.'); "
         "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); print(heavy); sys.exit(bool(heavy))"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

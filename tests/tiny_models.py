@@ -139,13 +139,13 @@ def save_pair(root: pathlib.Path, noise: float = 0.02, seed: int = 0, architectu
 
 
 def save_reduced_vocab_draft(folder: pathlib.Path, target_folder: str, draft_vocab_size: int, noise: float = 0.02, seed: int = 3) -> str:
-    """A specd draft (specd/draft_model.py) for the tiny Llama target: its first layer and
+    """A specd draft (specd/engine/draft_model.py) for the tiny Llama target: its first layer and
     embedding borrowed from the target, its second layer a perturbed copy of the target's, and
     an output layer over `draft_vocab_size` ids (every other id, so that tokens outside it
     are common) taken from the target's head rows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specd.draft_model import DraftLlamaConfig, DraftLlamaForCausalLM, borrow_from_target, save_draft
+    from specd.engine.draft_model import DraftLlamaConfig, DraftLlamaForCausalLM, borrow_from_target, save_draft
 
     target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32)
     settings = target.config.to_dict()

@@ -39,7 +39,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from specd.config import ConfigError
+    from specd.core.config import ConfigError
 
     try:
         parser = build_parser(argv)  # flags' defaults come from SPECD_* variables, checked here

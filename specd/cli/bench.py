@@ -11,12 +11,11 @@ import subprocess
 import sys
 import tempfile
 
-from coordinator.config import CoordinatorConfig
 from specd.cli import connect
 from specd.cli.supervise import stop_processes
-from specd.cpus import describe_cpus, format_cpu_list, stack_layout
-from specd.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
-from specd.modes import OFF, SD, SSD
+from specd.engine.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.serving.cpus import describe_cpus, format_cpu_list, stack_layout
+from specd.wire.modes import OFF, SD, SSD
 
 
 def add_parser(subparsers) -> None:
@@ -30,8 +29,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (chat prompts rendered with the chat template)")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts taken from the file")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=CoordinatorConfig.num_speculative_tokens,
-                        help="K, draft tokens per round (default %(default)s, the coordinator's default)")
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                        help="K, draft tokens per round (default: the coordinator's, as its ModelInfo says)")
     # One pass and no tracing stacks by default: the whole default run must stay within 10 minutes
     # on the 2-core machine, and two passes took 13.2 there (2026-11-27, a target step of ~100 ms
     # on one core). Drift is already handled inside a pass: a prompt's modes run seconds apart.
@@ -83,14 +82,14 @@ ADDRESS_SKIPS = {
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from specd import bench
+    from benchmarks import bench
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in bench.ALL_MODES]
     if unknown:
         print(f"specd bench: unknown modes {unknown}; choose from {', '.join(bench.ALL_MODES)}", file=sys.stderr)
         return 2
-    from specd import bench_concurrency
+    from benchmarks import bench_concurrency
 
     try:
         levels = bench_concurrency.parse_levels(args.concurrency) if args.concurrency is not None else []
@@ -121,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
             stacks.append(stack)
             if args.tracing_overhead and SSD in modes:
                 receiver = start_traced_stacks(args, stacks, traced_addresses)
+        if args.num_speculative_tokens is None:
+            args.num_speculative_tokens = _default_k(address, args)
         runs, verify_times, target_cpus = run_passes(args, modes, prompts, address, traced_addresses)
         concurrency = run_concurrency(args, levels, modes, prompts, address)
     except grpc.RpcError as exc:  # the stack went away or refused a request: no figures to report
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 def start_traced_stacks(args, stacks: list, traced_addresses: dict[str, str]):
     """ssd through stacks that differ only in tracing: SDK disabled, and exporting every span
     to a receiver (returned, to be stopped with them)."""
-    from specd.trace_store import Receiver
+    from specd.cli.trace_store import Receiver
 
     receiver = Receiver(pathlib.Path(tempfile.mkdtemp(prefix="specd-bench-")) / "spans.jsonl", port=0).start()
     for name, env in (
@@ -160,7 +161,7 @@ def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_
     """Every pass over the prompts through every mode: (runs per mode, verify times, target CPUs).
     The in-process parts (HF assisted, the verify forward timing) need local models: a stack
     given by --address gets neither."""
-    from specd import bench
+    from benchmarks import bench
 
     local = not args.address
     # The limit's verify forward is timed where the stack's target runs (specd up pins it).
@@ -200,7 +201,7 @@ def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_
 
 def run_concurrency(args, levels: list[int], modes: list[str], prompts: list[str], address: str) -> dict:
     """The service modes at each --concurrency level, on the stack at `address`."""
-    from specd import bench_concurrency
+    from benchmarks import bench_concurrency
 
     service_modes = [m for m in modes if m in (OFF, SD, SSD)]
     if not levels or not service_modes:
@@ -217,7 +218,7 @@ def build_summary(args, runs: dict, traced_addresses: dict, skipped: dict[str, s
               target_cpus, num_prompts: int, address: str) -> dict:
     """The JSON's content; its keys are the same whether or not a mode or figure was skipped
     (a skipped mode's figures are null and its `skipped` says why)."""
-    from specd import bench
+    from benchmarks import bench
 
     summary = {"modes": bench.summarize({m: r for m, r in runs.items() if m not in traced_addresses})}
     summary["modes"].update({mode: bench.skipped_mode(reason) for mode, reason in skipped.items()})
@@ -244,7 +245,7 @@ def build_summary(args, runs: dict, traced_addresses: dict, skipped: dict[str, s
 
 
 def report(summary: dict, args, verify_samples: int, target_cpus) -> None:
-    from specd import bench
+    from benchmarks import bench
 
     print(bench.format_table(summary))
     verify_ms, limit = summary["verify_ms"], summary["ssd_limit_tokens_per_s"]
@@ -271,10 +272,18 @@ def report(summary: dict, args, verify_samples: int, target_cpus) -> None:
               f"(cost of exporting: {t['exported_cost']:+.1%})")
     print("greedy outputs identical across specd modes: " + ("yes" if summary["identical_outputs"] else "NO"))
     if summary.get("concurrency"):
-        from specd import bench_concurrency
+        from benchmarks import bench_concurrency
 
         print("concurrent client streams (tok/s: all streams together):")
         print(bench_concurrency.format_table(summary["concurrency"]))
+
+
+def _default_k(address: str, args: argparse.Namespace) -> int:
+    """The K the coordinator at `address` drafts when a request does not say (its ModelInfo)."""
+    from specd.v1 import coordinator_pb2
+
+    info = _stub(address, args if args.address else None).ModelInfo(coordinator_pb2.ModelInfoRequest(), timeout=60)
+    return info.default_num_speculative_tokens
 
 
 def _served_models(address: str, connection: argparse.Namespace) -> tuple[str, str]:

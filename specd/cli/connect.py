@@ -14,7 +14,7 @@ import os
 import grpc
 
 from coordinator.auth import read_token
-from specd.tls import channel_credentials
+from specd.serving.tls import channel_credentials
 
 TOKEN_ENV = "SPECD_AUTH_TOKEN"
 
@@ -67,7 +67,7 @@ class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 def open_channel(address: str, args: argparse.Namespace):
     """A grpc.Channel to `address`: TLS if a CA or client certificate is given, the token on every call.
 
-    Raises specd.config.ConfigError for a lone certificate or key, or a file that cannot be read.
+    Raises specd.core.config.ConfigError for a lone certificate or key, or a file that cannot be read.
     """
     credentials = channel_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
     token = auth_token(args)

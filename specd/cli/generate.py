@@ -8,7 +8,7 @@ import os
 import sys
 
 from specd.cli import connect
-from specd.modes import AUTO, MODES, mode_name, mode_value
+from specd.wire.modes import AUTO, MODES, mode_name, mode_value
 
 DEFAULT_ADDRESS = "localhost:50051"
 FINISH_REASONS = {0: "", 1: "stop", 2: "length"}
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         print("specd generate: --system needs --chat (a system message belongs to a chat)", file=sys.stderr)
         return 2
-    from specd.config import ConfigError
+    from specd.core.config import ConfigError
     from specd.v1 import coordinator_pb2_grpc
 
     address = args.address or default_address()

@@ -7,8 +7,8 @@ import asyncio
 import logging
 import sys
 
-from specd.config import ConfigError, add_arguments, from_namespace
-from specd.cpus import pin_process
+from specd.core.config import ConfigError, add_arguments, from_namespace
+from specd.serving.cpus import pin_process
 
 ROLES = {
     "target": ("target_service.config", "TargetConfig", "target_service.server"),

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.source:
         print("specd trace: give a TRACE_ID or FILE, or --listen [HOST:]PORT", file=sys.stderr)
         return 2
-    from specd.trace_store import load_spans, trace_spans
+    from specd.cli.trace_store import load_spans, trace_spans
 
     if os.path.exists(args.source):
         path, trace_id = args.source, None
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def listen(address: str, path: str) -> int:
-    from specd.trace_store import Receiver
+    from specd.cli.trace_store import Receiver
 
     host, _, port = address.rpartition(":")
     try:

@@ -14,8 +14,8 @@ import tempfile
 import time
 
 from specd.cli.supervise import PLAINTEXT_STACK_DROPS, Service, Supervisor, wait_serving  # noqa: F401 - wait_serving: for tests/tools
-from specd.cpus import cpus_flags, describe_cpus, stack_layout
-from specd.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.engine.default_pair import DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.serving.cpus import cpus_flags, describe_cpus, stack_layout
 
 DEFAULT_COORDINATOR_PORT = 50051
 DEFAULT_METRICS_PORT = 9401  # the coordinator's; the target and the draft get the next two
@@ -112,7 +112,7 @@ def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
 
 def check_models(names: list[str]) -> None:
     """Fail before starting anything when a model that looks like a path does not exist."""
-    from specd.model_names import resolve
+    from specd.engine.model_names import resolve
 
     for name in names:
         if name and name != DEFAULT_TARGET:
@@ -121,7 +121,7 @@ def check_models(names: list[str]) -> None:
 
 def prepare_default_target(names: list[str]) -> None:
     """Convert the default target once, here, before the workers that load it start."""
-    from specd import default_target
+    from specd.engine import default_target
 
     if default_target.NAME in names or DEFAULT_DRAFT in names:
         folder = default_target.target_folder()

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -35,3 +35,27 @@ class CommittedTokens(_message.Message):
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenizerSpec(_message.Message):
+    __slots__ = ("tokenizer_json", "chat_template", "template_variables_json", "clean_up_tokenization_spaces", "probes")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_VARIABLES_JSON_FIELD_NUMBER: _ClassVar[int]
+    CLEAN_UP_TOKENIZATION_SPACES_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: str
+    chat_template: str
+    template_variables_json: str
+    clean_up_tokenization_spaces: bool
+    probes: _containers.RepeatedCompositeFieldContainer[TokenizerProbe]
+    def __init__(self, tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., template_variables_json: _Optional[str] = ..., clean_up_tokenization_spaces: _Optional[bool] = ..., probes: _Optional[_Iterable[_Union[TokenizerProbe, _Mapping]]] = ...) -> None: ...
+
+class TokenizerProbe(_message.Message):
+    __slots__ = ("text", "chat_json", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat_json: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., chat_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -132,7 +132,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "context_length", "dtype", "device", "tokenizer_fingerprint", "max_sessions")
+    __slots__ = ("model", "vocab_size", "context_length", "dtype", "device", "tokenizer_fingerprint", "max_sessions", "backend", "fast_paths")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,8 @@ class DraftInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATHS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     context_length: int
@@ -147,4 +149,6 @@ class DraftInfo(_message.Message):
     device: str
     tokenizer_fingerprint: str
     max_sessions: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    backend: str
+    fast_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ..., backend: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ...) -> None: ...

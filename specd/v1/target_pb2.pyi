@@ -112,7 +112,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "context_length", "eos_token_ids", "default_sampling", "dtype", "device", "tensor_parallel", "tokenizer_fingerprint", "max_sessions")
+    __slots__ = ("model", "vocab_size", "context_length", "eos_token_ids", "default_sampling", "dtype", "device", "tensor_parallel", "tokenizer_fingerprint", "max_sessions", "tokenizer", "backend", "fast_paths")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,9 @@ class TargetInfo(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATHS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     context_length: int
@@ -133,4 +136,7 @@ class TargetInfo(_message.Message):
     tensor_parallel: int
     tokenizer_fingerprint: str
     max_sessions: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    tokenizer: _common_pb2.TokenizerSpec
+    backend: str
+    fast_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_sessions: _Optional[int] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerSpec, _Mapping]] = ..., backend: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""specd's benchmarks and measurement tools (outside the installed specd package)."""

@@ -1,0 +1,183 @@
+"""One request's life on the coordinator: its state and policy, its rounds, each round's tokens
+committed as text, its stats, and its sessions ended however it ends.
+
+    Generator.run(request, place)
+      RequestState + SpeculationPolicy        coordinator/request_state.py, coordinator/policy.py
+      ssd_rounds | sd_rounds                   coordinator/ssd_rounds.py, coordinator/sd_rounds.py
+        each RoundResult -> stats, policy, commit (stop strings, EOS, max length) -> Chunk
+      Finish (text, usage, stats), sessions ended, place released
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from opentelemetry import trace
+
+from coordinator.admission import Place
+from coordinator.config import CoordinatorConfig
+from coordinator.draft_link import DraftLink
+from coordinator.draft_wait import DraftWait
+from coordinator.output import Chunk, Finish, RequestOutput, settle_text
+from coordinator.policy import SpeculationPolicy
+from coordinator.policy_measures import RoundCosts
+from coordinator.profiles import SpeculationProfile
+from coordinator.request import ResolvedRequest, TargetFacts
+from coordinator.request_state import RequestState
+from coordinator.round_result import RoundResult
+from coordinator.round_trace import RoundTrace, record_request, record_response
+from coordinator.sd_rounds import sd_rounds
+from coordinator.ssd_rounds import ssd_rounds
+from coordinator.stats import RequestStats
+from coordinator.target_link import TargetLink
+from coordinator.text import TextAssembler
+from specd.wire.modes import AUTO, OFF, SSD
+
+
+class Generator:
+    """Runs requests against one target (and draft), sharing what requests share: the round
+    costs the policy measures, the count of requests in their rounds, the text threads."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        target: TargetLink,
+        draft: DraftLink | None,
+        text_pool: concurrent.futures.Executor,
+        tracer: trace.Tracer,
+        metrics=None,
+    ):
+        self.config, self.target, self.draft = config, target, draft
+        self.text_pool = text_pool
+        self.tracer = tracer
+        self.metrics = metrics  # the coordinator's CoordinatorMetrics (None in some tests)
+        self.round_costs = RoundCosts()  # what sd rounds cost now, measured across requests
+        # Requests in their rounds now: what speculation under load counts. Not the admitted
+        # places, which a request holds until its EndSession calls are answered: the request
+        # after it would find one more running than decodes beside it.
+        self.decoding = 0
+        self.running: Callable[[], int] = lambda: self.decoding
+
+    def run_mode(self, asked: str) -> str:
+        """ssd, sd or off for a request that asked `asked` (auto: the configured default, then
+        ssd with a draft worker configured, else off)."""
+        mode = self.config.default_mode if asked == AUTO else asked
+        if mode == AUTO:
+            mode = SSD if self.draft is not None else OFF
+        return mode
+
+    async def run(
+        self, request: ResolvedRequest, facts: TargetFacts, profile: SpeculationProfile, place: Place | None = None
+    ) -> AsyncIterator[Chunk | Finish]:
+        """A request's life: its rounds, each round's tokens committed as text, then how it ended.
+        `place`, its admission, is released once its worker sessions are ended."""
+        text = TextAssembler(facts.tokenizer, request.prompt_ids, request.stop_strings)
+        output = RequestOutput(text, prompt_len=len(request.prompt_ids))
+        span = trace.get_current_span()  # llm_request
+        record_request(span, request)
+        state = self._state(request, facts, profile)
+        stats = RequestStats(requested_mode=state.mode, seed=request.sampling.seed)
+        stats.queue_ms = place.queue_ms if place is not None else 0.0
+        if self.metrics is not None:
+            self.metrics.requests_in_flight.inc()
+        rounds = self._rounds(state)
+        self.decoding += 1
+        try:
+            async for result in rounds:
+                stats.add(result)
+                state.policy.round_done(result.num_draft, len(result.tokens))
+                yield await self._commit(state, result, output)
+                if output.done:
+                    break
+        finally:
+            # Closed before the sessions are ended: a request cancelled between rounds (while
+            # committing, or at the yield) leaves its loop suspended with the next round's calls
+            # started, and one of them reaching the draft after its EndSession would open the
+            # session again, to be held until the idle timeout.
+            try:
+                await rounds.aclose()
+            finally:
+                self.decoding -= 1
+                self._end_request(state, stats, place)
+        yield self._finish(span, state, stats, output)
+
+    def _state(self, request: ResolvedRequest, facts: TargetFacts, profile: SpeculationProfile) -> RequestState:
+        """The request's state for its rounds, in the mode it runs, with its policy."""
+        mode = self.run_mode(request.mode)
+        policy = SpeculationPolicy(
+            mode,
+            request.num_speculative_tokens,
+            request.sampling,
+            profile,
+            running=self.running,
+            costs=self.round_costs,
+            auto=request.mode == AUTO,  # the server picks: speculation only where it pays
+        )
+        return RequestState(
+            session_id=uuid.uuid4().hex,
+            committed=list(request.prompt_ids),
+            sampling=request.sampling,
+            policy=policy,
+            max_support=self.config.max_support,
+            return_logprobs=request.return_logprobs,
+            max_len=min(facts.context_length, len(request.prompt_ids) + request.max_new_tokens),
+            eos_token_ids=frozenset() if request.ignore_eos else facts.eos_token_ids,
+            trace=RoundTrace(self.tracer, self.config.trace_max_round_spans),
+            draft_wait=DraftWait(self.config.draft_wait_verifies, self.config.draft_wait_min_ms),
+        )
+
+    def _rounds(self, state: RequestState) -> AsyncIterator[RoundResult]:
+        """The request's round loop: ssd, or sd (which also runs target-only rounds)."""
+        if state.mode == SSD:
+            # Round 0's verify is the prompt's prefill; the draft speculates beside it.
+            return ssd_rounds(state, self.target, self.draft, self.config)
+        return sd_rounds(state, self.target, self.draft)
+
+    async def _commit(self, state: RequestState, result: RoundResult, output: RequestOutput) -> Chunk:
+        """A round's tokens up to the first stop condition, committed: the chunk they make final."""
+        # One thread hop per round; the commit itself stays on the loop, beside the rounds' tasks.
+        committed, stop_reason = await asyncio.get_running_loop().run_in_executor(
+            self.text_pool, settle_text, result.tokens, output.text, state.eos_token_ids
+        )
+        state.committed.extend(committed)
+        logprobs = result.logprobs[: len(committed)] if state.return_logprobs else []
+        return output.commit(committed, logprobs, stop_reason, len(state.committed) >= state.max_len)
+
+    def _end_request(self, state: RequestState, stats: RequestStats, place: Place | None) -> None:
+        """Free what the request holds, however it ended (also cancelled: what ran is counted)."""
+        state.drop_target_prefill()
+        state.target_session.ended = state.draft_session.ended = True
+        ending = self._end_sessions(state.session_id)
+        if place is not None:
+            place.release_after(ending)
+        state.trace.close()
+        if self.metrics is not None:
+            self.metrics.requests_in_flight.dec()
+            self.metrics.observe_speculation(stats)
+
+    def _finish(self, span: trace.Span, state: RequestState, stats: RequestStats, output: RequestOutput) -> Finish:
+        """How the request ended, with its usage and stats; recorded on its span and metrics."""
+        finish = output.finish(state.committed[output.prompt_len :], stats.to_proto())
+        completion = finish.usage.completion_tokens
+        latency_s = time.perf_counter() - output.started
+        if self.metrics is not None:
+            self.metrics.observe_latency(output.first_token_s, latency_s, completion)
+        ttft_ms = output.first_token_s * 1000.0 if output.first_token_s is not None else None
+        record_response(span, finish.finish_reason, completion, finish.stats, ttft_ms, latency_s * 1000.0)
+        return finish
+
+    def _end_sessions(self, session_id: str) -> asyncio.Future:
+        """Free the request's caches on both workers, without making the caller wait; the
+        returned task is done once both have answered (or failed, or timed out)."""
+
+        async def end() -> None:
+            calls = [self.target.end_session(session_id)]
+            if self.draft is not None:
+                calls.append(self.draft.end_session(session_id))
+            await asyncio.gather(*calls, return_exceptions=True)
+
+        return asyncio.ensure_future(end())

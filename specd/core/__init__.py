@@ -1,0 +1,1 @@
+"""Plain types and speculation math: no grpc, no transformers; the plain types import without torch."""

@@ -1,0 +1,30 @@
+"""The errors every layer raises and the serving layer maps to gRPC statuses (specd/serving/status.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as sent; the message names the field to change."""
+
+
+class SessionNotFound(LookupError):
+    """The worker holds no such session (expired, ended, or the worker restarted)."""
+
+
+class SessionStale(RuntimeError):
+    """The request assumes cached tokens this session does not have."""
+
+
+class TooManySessions(RuntimeError):
+    """The worker is at its session limit."""
+
+
+def no_stop_iteration(fn: Callable, *args):
+    """`fn(*args)`, with a StopIteration it raises turned into a RuntimeError: asyncio cannot set
+    StopIteration on a future, so the call awaiting it would never complete."""
+    try:
+        return fn(*args)
+    except StopIteration as exc:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} raised StopIteration") from exc

@@ -1,0 +1,1 @@
+"""The model engine: loading, KV caches, forwards, batch schedulers and device backends."""

@@ -1,0 +1,14 @@
+"""The CUDA backend: the model's forwards as transformers runs them on the GPU; the CPU backend's
+fast paths (prepacked weights, the few-row kernel, grouped attention, thread counts beyond torch's
+own) are CPU-only and stay off."""
+
+from __future__ import annotations
+
+from specd.engine.backends import Backend, FastPathOptions
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def prepare(self, model, options: FastPathOptions) -> list[str]:
+        return []

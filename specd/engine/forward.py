@@ -1,0 +1,60 @@
+"""One model forward over new tokens on top of a session's KV cache."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+@torch.inference_mode()
+def forward_logits(model, cache, tokens: list[int], num_logits: int) -> tuple[torch.Tensor, float]:
+    """Feed `tokens` after what `cache` holds; return (logits [num_logits, V] float32, ms).
+
+    The logits are those after the last `num_logits` tokens fed.
+    """
+    device = model.device
+    input_ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, L]
+    started = time.perf_counter()
+    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
+    logits = output.logits[0, -num_logits:].float().cpu()  # [num_logits, V]
+    return logits, (time.perf_counter() - started) * 1000.0
+
+
+def prepare_forwards(
+    model, prepack: bool = True, few_row_kernel: bool = True, halved: bool = False, grouped_attention: bool = True
+) -> None:
+    """Set `model` up to run forwards as the workers run them: with `prepack`, its linear weights
+    prepacked (specd.engine.backends.cpu_kernels.prepacked_linear: the few-row kernel with `few_row_kernel`, a draft's
+    bfloat16 copies with `halved`); with `grouped_attention`, its query heads attending in groups
+    (specd.engine.backends.cpu_kernels.grouped_attention). Each step checks that it fits the model here and leaves the model
+    as it is where not."""
+    from specd.engine.backends.cpu_kernels.grouped_attention import use_grouped_attention
+    from specd.engine.backends.cpu_kernels.prepacked_linear import prepack_linears
+
+    if prepack:
+        prepack_linears(model, few_row_kernel=few_row_kernel, halved=halved)
+    if grouped_attention:
+        use_grouped_attention(model)
+
+
+def warm_up(model) -> None:
+    """One throwaway forward so that the first request does not pay for lazy initialisation."""
+    from specd.engine.kv_cache import GrowingKVCache
+
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=model.device), past_key_values=GrowingKVCache())
+
+
+def prefill_session(model, session, start: int, tokens: list[int]) -> tuple[int, float]:
+    """Cache every committed token but the last (the next forward feeds it); (cached, forward ms)."""
+    _, feed = session.sync(start, tokens)
+    forward_ms = 0.0
+    if len(feed) > 1:
+        try:
+            _, forward_ms = forward_logits(model, session.cache, feed[:-1], 1)
+        except BaseException:
+            session.reset()  # failed part-way: some layers may hold the new entries, others not
+            raise
+        session.extend(feed[:-1])
+    return len(session.cached_tokens), forward_ms

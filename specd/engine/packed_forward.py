@@ -1,0 +1,207 @@
+"""One forward over several sessions' new tokens at once, each on its own KV cache.
+
+A step of a small model on a CPU (or of any model on a GPU) is bound by reading the weights,
+not by the arithmetic: eight sessions' tokens cost little more than one session's. So the
+workers pack the new tokens of every session ready at the same moment into one sequence
+[1, T] and run the model's own modules over it once (embedding, decoder layers, final norm,
+output layer). Only attention differs: each session's queries attend to that session's own
+cache, which grows in place (specd/engine/kv_cache.py), so no session's cache is copied and each
+keeps its own rollback. The projections see one [1, T, H] input instead of several [1, L, H]
+ones; the arithmetic per row is the same, the summation order of a matrix product may not
+be, so a packed session's logits equal its lone forward's to rounding (greedy outputs differ
+only at near-ties, the rule everywhere in specd).
+
+Attention reaches the packed batch through transformers' attention interface: for the length
+of a packed forward the model's config names the attention registered as "specd_packed", which
+runs the model's own (sdpa or eager) once per session; a model's forwards all run on its one
+model thread, so no other forward sees the switch, and plain forwards are untouched. A probe checks, before packing is
+used, that a packed forward of three sessions gives their lone forwards' logits; a model it
+does not fit (another layout, a recurrent or sliding-window layer) forwards one session at a
+time, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from specd.engine.backends.cpu_kernels.grouped_attention import GROUPED_SDPA, grouped_sdpa_attention
+from specd.engine.backends.cpu_kernels.prepacked_linear import float32_products
+from specd.engine.kv_cache import GrowingKVCache, croppable
+
+log = logging.getLogger(__name__)
+
+_PACKED = "specd_packed"
+_BASES = {"sdpa": sdpa_attention_forward, GROUPED_SDPA: grouped_sdpa_attention, "eager": eager_attention_forward}
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One session's part of a packed forward."""
+
+    cache: object  # the session's DynamicCache; the forward appends this segment's entries
+    tokens: list[int]  # fed after what `cache` holds
+    num_logits: int  # logits wanted after the last `num_logits` tokens
+    visible: torch.Tensor | None = None  # [L, cached + L] bool: which entries each token sees; None: causal
+    positions: list[int] | None = None  # the tokens' positions; None: cached, cached + 1, ...
+
+
+class _PackedBatch:
+    """Stands in for the cache during one packed forward: each layer's new keys and values go
+    to the segments' own caches; attention then reads each segment's full cache from here."""
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = segments
+        ends = list(itertools.accumulate(len(s.tokens) for s in segments))
+        self.bounds = list(zip([0] + ends[:-1], ends))  # each segment's slice of the packed sequence
+        self.masks = [_mask(s, s.cache.get_seq_length()) for s in segments]
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current layer's, per segment
+        self.base_attention = "sdpa"  # the model's own attention (a key of _BASES), run per segment
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states, value_states: [1, kv_heads, T, head_dim], packed."""
+        self.views = [
+            segment.cache.update(key_states[:, :, a:b], value_states[:, :, a:b], layer_idx)
+            for segment, (a, b) in zip(self.segments, self.bounds)
+        ]  # [1, kv_heads, cached + L, head_dim] each
+        return key_states, value_states
+
+
+def _mask(segment: Segment, cached: int) -> torch.Tensor | None:
+    """[1, 1, L, cached + L] bool for sdpa; None for one causal token (it sees everything)."""
+    length = len(segment.tokens)
+    if segment.visible is not None:
+        return segment.visible.view(1, 1, length, cached + length)
+    if length == 1:
+        return None
+    rows = torch.arange(length).unsqueeze(-1) + cached  # [L, 1]: each token's own index
+    return (torch.arange(cached + length).unsqueeze(0) <= rows).view(1, 1, length, cached + length)
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The model's own attention, per segment when the forward is packed.
+
+    query: [1, heads, T, head_dim]; returns ([1, T, heads, head_dim], None) as transformers'
+    attention functions do.
+    """
+    batch: _PackedBatch = kwargs[_PACKED]
+    base = _BASES[batch.base_attention]
+    outputs = []
+    for (a, b), (keys, values), mask in zip(batch.bounds, batch.views, batch.masks):
+        if mask is not None and base is eager_attention_forward:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, torch.finfo(query.dtype).min)
+        output, _ = base(module, query[:, :, a:b], keys, values, mask, dropout=dropout, scaling=scaling)
+        outputs.append(output)  # [1, L, heads, head_dim]
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(_PACKED, _packed_attention)
+
+
+class Packer:
+    """Packed forwards for one model (see the module's docstring)."""
+
+    def __init__(self, model, base_attention: str):
+        self.model = model
+        self.base_attention = base_attention  # sdpa or eager: what the model's config names
+        self._inner = model.model
+        self._layers = list(model.model.layers[: model.config.num_hidden_layers])
+
+    def forward(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:
+        """Every segment's logits ([num_logits, V] float32 each) and the forward's ms."""
+        config = self.model.config
+        config._attn_implementation_internal = _PACKED
+        try:
+            return self._forward(segments)
+        finally:
+            config._attn_implementation_internal = self.base_attention
+
+    @torch.inference_mode()
+    def _forward(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:
+        device = self.model.device
+        batch = _PackedBatch(segments)
+        batch.base_attention = self.base_attention
+        started = time.perf_counter()
+        ids = torch.tensor([[t for s in segments for t in s.tokens]], dtype=torch.long, device=device)  # [1, T]
+        positions = torch.tensor([[p for s in segments for p in _positions(s)]], device=device)  # [1, T]
+        hidden = self._inner.embed_tokens(ids)  # [1, T, H]
+        position_embeddings = self._inner.rotary_emb(hidden, position_ids=positions)  # (cos, sin): [1, T, D]
+        for layer in self._layers:
+            hidden = layer(
+                hidden,
+                attention_mask=None,
+                position_embeddings=position_embeddings,
+                position_ids=positions,
+                past_key_values=batch,
+                use_cache=True,
+                **{_PACKED: batch},
+            )
+        rows = torch.tensor([i for (_, b), s in zip(batch.bounds, segments) for i in range(b - s.num_logits, b)], device=device)
+        hidden = self._inner.norm(hidden[:, rows])  # [1, sum of num_logits, H]
+        logits = self.model.lm_head(hidden)[0].float().cpu()  # [sum of num_logits, V]
+        return list(logits.split([s.num_logits for s in segments])), (time.perf_counter() - started) * 1000.0
+
+
+def _positions(segment: Segment) -> list[int]:
+    if segment.positions is not None:
+        return list(segment.positions)
+    cached = segment.cache.get_seq_length()
+    return list(range(cached, cached + len(segment.tokens)))
+
+
+def enable_packing(model) -> Packer | None:
+    """A Packer for `model` when its layout allows packing and the probe agrees; else None."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "rotary_emb", "norm")
+    if config is None or inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
+        return None
+    base = config._attn_implementation
+    if base not in _BASES or not _full_attention_only(config):
+        return None
+    packer = Packer(model, base)
+    with float32_products(model):  # a draft's bfloat16 copies round 1-8-row products only
+        agrees = _agrees(model, packer)
+    if not agrees:
+        log.warning("packed forwards do not fit %s here; its sessions forward one at a time", type(model).__name__)
+        return None
+    return packer
+
+
+def _full_attention_only(config) -> bool:
+    """Every layer attends to the whole context, unscaled: what the per-session masks assume
+    (a window shorter than the probe's sequences would pass the probe unnoticed)."""
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return not getattr(config, "sliding_window", None)
+
+
+@torch.inference_mode()
+def _agrees(model, packer: Packer) -> bool:
+    """Three sessions packed (a prefill, a multi-token step, one token) against their lone forwards."""
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (5, 9, 3)]
+    steps = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (3, 1, 4)]
+    lone, packed = [GrowingKVCache() for _ in prompts], [GrowingKVCache() for _ in prompts]
+    for feeds in (prompts, steps):
+        want = [
+            model(input_ids=torch.tensor([f], device=model.device), past_key_values=c, use_cache=True).logits[0].float().cpu()
+            for f, c in zip(feeds, lone)
+        ]  # [n, V] each
+        got, _ = packer.forward([Segment(c, f, len(f)) for f, c in zip(feeds, packed)])
+        if not all(croppable(c) for c in packed):
+            return False
+        if not all(torch.allclose(w, g, rtol=1e-4, atol=1e-4) for w, g in zip(want, got)):
+            return False
+    return True

@@ -1,0 +1,124 @@
+"""Per-session KV caches that follow the coordinator's committed tokens.
+
+A worker holds caches only. Each request names the committed history from some
+absolute position on; the session joins it to the tokens it has cached, keeps the
+longest common prefix (rolling back rejected draft tokens instead of recomputing
+the prefix) and reports what still has to be fed to the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from transformers import DynamicCache
+
+from specd.core.errors import SessionNotFound, SessionStale, TooManySessions
+from specd.engine.kv_cache import GrowingKVCache, croppable
+
+
+@dataclasses.dataclass
+class Session:
+    cache: DynamicCache
+    cached_tokens: list[int] = dataclasses.field(default_factory=list)  # ids whose KV is in `cache`
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    def sync(self, start: int, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Join the committed tail to the cache; return (committed history, tokens to feed).
+
+        The last committed token is always fed, so the forward yields the logits after it.
+        """
+        if start > len(self.cached_tokens):
+            raise SessionStale(
+                f"the request continues at position {start} but the session caches "
+                f"{len(self.cached_tokens)} tokens; resend from position 0"
+            )
+        committed = self.cached_tokens[:start] + tokens
+        if not committed:
+            raise ValueError("no committed tokens")
+        keep = _common_prefix(self.cached_tokens, committed)
+        keep = min(keep, len(committed) - 1)
+        self.rollback(keep)
+        return committed, committed[keep:]
+
+    def rollback(self, keep: int) -> None:
+        """Drop cached tokens past `keep`."""
+        drop = len(self.cached_tokens) - keep
+        if drop <= 0:
+            return
+        if croppable(self.cache):
+            self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to drop
+        else:
+            # Sliding-window or linear-attention layers cannot roll back: recompute.
+            self.cache = GrowingKVCache()
+            keep = 0
+        del self.cached_tokens[keep:]
+
+    def reset(self) -> None:
+        """Forget everything cached (a forward failed part-way: no layer's entries can be trusted)."""
+        self.cache = GrowingKVCache()
+        self.cached_tokens = []
+
+    def extend(self, tokens: list[int]) -> None:
+        """Record that a forward put `tokens` into the cache."""
+        self.cached_tokens.extend(tokens)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class SessionStore:
+    """Sessions by id, with an idle timeout and a cap; safe to call from any thread."""
+
+    def __init__(self, max_sessions: int, idle_timeout_s: float):
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._max_sessions = max_sessions
+        self._idle_timeout_s = idle_timeout_s
+
+    def open(self, session_id: str, start: int) -> Session:
+        """The session to continue; a new one when the request starts at position 0."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                if start != 0:
+                    raise SessionNotFound(
+                        f"session {session_id!r} is not on this worker; resend from position 0"
+                    )
+                if len(self._sessions) >= self._max_sessions:
+                    raise TooManySessions(
+                        f"this worker holds its maximum of {self._max_sessions} sessions; retry later"
+                    )
+                session = Session(cache=GrowingKVCache())
+                self._sessions[session_id] = session
+            session.last_used = time.monotonic()
+            return session
+
+    @property
+    def max_sessions(self) -> int:
+        return self._max_sessions
+
+    def end(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def expire_idle(self) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            expired = [sid for sid, s in self._sessions.items() if now - s.last_used > self._idle_timeout_s]
+            for sid in expired:
+                del self._sessions[sid]
+        return expired
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions

@@ -1,0 +1,1 @@
+"""Tracing and metrics for the three services: no torch."""

@@ -1,0 +1,154 @@
+"""Prometheus metrics, one CollectorRegistry per service (three services may share a process).
+
+Speculation is counted as vLLM counts it, under the `specd_` prefix, on the coordinator
+(which sees every round): a draft is a round that proposed >= 1 token; mean acceptance
+length = 1 + accepted / drafts. prometheus_client appends `_total` to counter names, so
+`Counter("specd_spec_decode_num_drafts")` is exposed as specd_spec_decode_num_drafts_total.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# Seconds; spans CPU tiny-model latencies (ms) up to long generations (minutes).
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Sessions in one forward: powers of two up to the workers' default --max-sessions (64) and past it.
+_BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class ServiceMetrics:
+    """A registry and, once `serve` is called, its /metrics HTTP endpoint."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.port: int | None = None
+        self._server = None
+
+    def serve(self, host: str, port: int) -> int | None:
+        """Expose /metrics on host:port (0: a free port; -1: not at all); returns the port."""
+        if port < 0:
+            return None
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+        return self.port
+
+    def serve_for(self, service, host: str, port: int) -> None:
+        """Serve /metrics for a specd.serving.server.RunningService, stopped with it."""
+        service.metrics = self
+        if self.serve(host, port) is not None:
+            log.info("metrics on http://%s:%d/metrics", host, self.port)
+        service.closers.append(self.close)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class WorkerMetrics(ServiceMetrics):
+    """Target or draft worker: sessions held, time in model forwards, sessions per forward."""
+
+    def __init__(self, role: str = "") -> None:
+        super().__init__()
+        self.role = role  # target or draft: the `role` label of specd_forward_batch_size
+        self.active_sessions = Gauge(
+            "specd_active_sessions", "sessions (KV caches) this worker holds", registry=self.registry
+        )
+        self.forward_seconds = Histogram(
+            "specd_forward_seconds",
+            "time of one call's model forwards on this worker",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.forward_batch_size = Histogram(
+            "specd_forward_batch_size",
+            "sessions whose work one model forward on this worker ran together",
+            ["role", "op"],
+            buckets=_BATCH_SIZE_BUCKETS,
+            registry=self.registry,
+        )
+
+    def track_sessions(self, count: Callable[[], int]) -> None:
+        self.active_sessions.set_function(count)
+
+    def observe_forward(self, op: str, forward_ms: float) -> None:
+        self.forward_seconds.labels(op=op).observe(forward_ms / 1000.0)
+
+    def observe_batch(self, op: str, sessions: int) -> None:
+        """One forward of `op` that ran `sessions` sessions' work together."""
+        self.forward_batch_size.labels(role=self.role, op=op).observe(sessions)
+
+
+class CoordinatorMetrics(ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.num_drafts = Counter("specd_spec_decode_num_drafts", "rounds that proposed >= 1 draft token", registry=r)
+        self.num_draft_tokens = Counter("specd_spec_decode_num_draft_tokens", "draft tokens proposed", registry=r)
+        self.num_accepted_tokens = Counter("specd_spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            "specd_spec_decode_num_accepted_tokens_per_pos",
+            "rounds whose draft token at position (0-based) was accepted",
+            ["position"],
+            registry=r,
+        )
+        self.cache_hits = Counter("specd_speculation_cache_hits", "ssd rounds started from the speculation cache", registry=r)
+        self.cache_misses = Counter("specd_speculation_cache_misses", "ssd rounds that missed the speculation cache", registry=r)
+        self.time_to_first_token = Histogram(
+            "specd_time_to_first_token_seconds", "request start to first generated token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.time_per_output_token = Histogram(
+            "specd_time_per_output_token_seconds",
+            "(latency - time to first token) / (output tokens - 1)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "specd_e2e_request_latency_seconds", "request start to its last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.requests_in_flight = Gauge("specd_requests_in_flight", "Generate calls being served", registry=r)
+        # Admission (coordinator/admission.py), as vLLM names them: a running request holds its
+        # place until its worker sessions are ended.
+        self.requests_running = Gauge(
+            "specd_requests_running", "requests holding a place (--max-concurrent-requests)", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "specd_requests_waiting", "requests queued for a place (--max-queued-requests)", registry=r
+        )
+        self.request_queue_time = Histogram(
+            "specd_request_queue_seconds",
+            "time an admitted request waited in the queue for a place (0 when one was free)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def track_admission(self, admission) -> None:
+        """Follow a coordinator.admission.Admission: its places, its queue, each admitted wait."""
+        self.requests_running.set_function(lambda: admission.running)
+        self.requests_waiting.set_function(lambda: admission.waiting)
+        admission.on_admitted = self.request_queue_time.observe
+
+    def observe_speculation(self, stats) -> None:
+        """Add one request's totals (a coordinator.stats.RequestStats) to the counters."""
+        self.num_drafts.inc(stats.speculative_rounds)
+        self.num_draft_tokens.inc(stats.draft_tokens)
+        self.num_accepted_tokens.inc(stats.accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_position):
+            if count:
+                self.num_accepted_tokens_per_pos.labels(position=str(position)).inc(count)
+        self.cache_hits.inc(stats.cache_hits)
+        self.cache_misses.inc(stats.cache_misses)
+
+    def observe_latency(self, ttft_s: float | None, latency_s: float, output_tokens: int) -> None:
+        self.request_latency.observe(latency_s)
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+            if output_tokens > 1:
+                self.time_per_output_token.observe((latency_s - ttft_s) / (output_tokens - 1))

@@ -1,0 +1,59 @@
+"""What a caller is told when a call fails: specd's errors as gRPC statuses, at the RPC edge."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from specd.core.errors import InvalidRequest, SessionNotFound, SessionStale, TooManySessions
+
+log = logging.getLogger(__name__)
+
+
+class StatusError(RuntimeError):
+    """An error that carries the gRPC status its caller should get."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class Unavailable(StatusError):
+    """A service this call needs cannot serve now; the caller gets UNAVAILABLE."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ModelLoading(Unavailable):
+    """The worker is up but its model is not loaded and warm yet."""
+
+    def __init__(self, message: str = "the model is still loading; retry shortly"):
+        super().__init__(message)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The gRPC status that tells a caller what went wrong, for the errors specd expects."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, SessionStale):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, TooManySessions):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, StatusError):
+        return exc.code, str(exc)
+    return None
+
+
+async def abort_on_error(context: grpc.aio.ServicerContext, exc: BaseException):
+    """Abort the RPC with the mapped status, or INTERNAL with a one-line message (no trace)."""
+    mapped = status_for(exc)
+    if mapped is None:
+        log.exception("unexpected error", exc_info=exc)
+        mapped = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    await context.abort(*mapped)

@@ -1,0 +1,1 @@
+"""What the two model workers share: settings, the servicer base, start-up."""

@@ -1,0 +1,91 @@
+"""The coordinator's tokenizer (no transformers) against transformers' own, and its start-up probes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import AutoTokenizer
+
+from coordinator.tokenizer import Tokenizer
+from specd.core.tokenizer_spec import TokenizerProbe
+from specd.engine.tokenizer_export import export_tokenizer
+from tests.tiny_models import build_tokenizer
+
+TEXTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "  leading spaces, trailing spaces  ",
+    "Ünïcödé — «quotes» and 漢字 and emoji 🙂🚀",
+    "tabs\tand\r\nwindows newlines",
+    "It's fine , isn't it ? Yes !",
+    "<|endoftext|> inside text <|endoftext|>",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Ünïcödé 🙂?"}],
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}[{{ m['role'] | upper }}] {{ m['content'] | tojson }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+)
+
+
+def tokenizers_under_test(tmp_path):
+    tiny = build_tokenizer()
+    tiny.chat_template = CHAT_TEMPLATE
+    tiny.save_pretrained(tmp_path / "tiny")
+    yield "tiny", AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    from specd.engine import default_target
+
+    try:
+        folder = default_target.target_folder()
+    except default_target.DefaultTargetMissing:
+        return
+    yield "smollm2", AutoTokenizer.from_pretrained(folder)
+
+
+def test_it_encodes_renders_and_decodes_as_transformers_does(tmp_path):
+    for name, reference in tokenizers_under_test(tmp_path):
+        ours = Tokenizer(export_tokenizer(reference))
+        assert ours.fingerprint() == export_fingerprint(reference), name
+        assert len(ours) == len(reference), name
+        for text in TEXTS:
+            ids = reference.encode(text, add_special_tokens=True)
+            assert ours.encode(text) == ids, (name, text)
+            assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+            assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True), (name, text)
+        for chat in CHATS:
+            rendered = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            assert ours.apply_chat_template(chat) == rendered, (name, chat)
+        assert ours.probe_mismatches() == [], name
+
+
+def export_fingerprint(tokenizer) -> str:
+    from specd.engine.loading import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(tokenizer)
+
+
+def test_a_tokenizer_that_tokenises_otherwise_fails_its_probes():
+    spec = export_tokenizer(build_tokenizer())
+    text_probe = spec.probes[0]
+    wrong = dataclasses.replace(text_probe, token_ids=text_probe.token_ids + (1,))
+    mismatches = Tokenizer(dataclasses.replace(spec, probes=(wrong,))).probe_mismatches()
+    assert len(mismatches) == 1 and repr(text_probe.text) in mismatches[0]
+
+
+def test_a_template_that_fails_here_is_reported_not_raised():
+    spec = dataclasses.replace(
+        export_tokenizer(build_tokenizer()),
+        chat_template="{{ raise_exception('no') }}",
+        probes=(TokenizerProbe((1, 2), chat=(("user", "hi"),)),),
+    )
+    mismatches = Tokenizer(spec).probe_mismatches()
+    assert len(mismatches) == 1 and "failed here" in mismatches[0]
+
+
+def test_a_missing_tokenizer_folder_is_named():
+    with pytest.raises(FileNotFoundError, match="no such folder: ./nowhere"):
+        Tokenizer.from_files("./nowhere")

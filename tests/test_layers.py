@@ -1,0 +1,99 @@
+"""specd's layers, as the tree shows them, and the rule that imports only point down.
+
+    specd.cli                          the `specd` command                      may import anything
+    coordinator, draft_service,        the three services
+    target_service
+    specd.worker                       what the two model workers share
+    specd.engine | specd.serving       the model engine (torch) | gRPC plumbing (no torch)
+                   specd.observability  tracing and metrics (no torch)
+    specd.wire (+ specd.v1)            proto <-> core conversion, generated stubs
+    specd.core                         plain types and speculation math
+
+The coordinator serves without the model engine: it never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("specd", "coordinator", "draft_service", "target_service", "benchmarks")
+
+CORE, V1, WIRE, OBSERVABILITY, SERVING, ENGINE, WORKER = (
+    "specd.core", "specd.v1", "specd.wire", "specd.observability", "specd.serving", "specd.engine", "specd.worker"
+)
+BELOW_WORKERS = {CORE, V1, WIRE, OBSERVABILITY, SERVING, ENGINE, WORKER}
+# Each layer and what it may import besides itself.
+ALLOWED = {
+    CORE: set(),
+    V1: set(),
+    WIRE: {CORE, V1},
+    OBSERVABILITY: {CORE},
+    SERVING: {CORE, V1, WIRE, OBSERVABILITY},
+    ENGINE: {CORE},
+    WORKER: {CORE, V1, WIRE, OBSERVABILITY, SERVING, ENGINE},
+    "draft_service": BELOW_WORKERS,
+    "target_service": BELOW_WORKERS,
+    "coordinator": {CORE, V1, WIRE, OBSERVABILITY, SERVING},
+}
+# Modules that must load without torch and transformers (the plain types, the wire, the plumbing).
+TORCH_FREE = (CORE + ".sampling", CORE + ".outcomes", CORE + ".errors", CORE + ".config", CORE + ".fanout", WIRE, SERVING,
+              OBSERVABILITY)
+
+
+def layer_of(module: str) -> str | None:
+    for layer in sorted(ALLOWED, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return None
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: pathlib.Path) -> set[str]:
+    """Every module `path` imports, anywhere in it (a function-level import counts too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_imports_point_down():
+    known = modules()
+    wrong = []
+    for name, path in sorted(known.items()):
+        layer = layer_of(name)
+        if layer is None:
+            continue
+        for imported in sorted(imports(path)):
+            target = layer_of(imported)
+            if target is not None and target != layer and target not in ALLOWED[layer] and imported in known:
+                wrong.append(f"{name} ({layer}) imports {imported} ({target})")
+    assert not wrong, "imports that point the wrong way:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_plain_layers_load_without_torch(module):
+    names = [name for name in modules() if name == module or name.startswith(module + ".")]
+    code = (
+        f"import sys, importlib; [importlib.import_module(m) for m in {names!r}]; "
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); print(heavy); sys.exit(bool(heavy))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"{module} imports {run.stdout.strip()}\n{run.stderr[-2000:]}"
