@@ -10,11 +10,10 @@ given) and, with @TREE, run from another checkout's code (PYTHONPATH=TREE): sett
 coordinator code before and after a change, in one run (benchmarks/ab_stacks.py for the workers').
 The bench prompts go through ssd, greedy, 128 new tokens, each prompt to every arm in turn (the
 order rotating), so the machine's drift hits every arm alike, for several passes. Prints
-tokens/s per pass and per arm, and whether every arm's greedy outputs were identical. How
-docs/ssd.md's A/B of the adaptive budget was measured (before the tool pinned CPUs), from a
-checkout of the commit before its removal:
+tokens/s per pass and per arm, and whether every arm's greedy outputs were identical. How the
+default budget was chosen (docs/decisions.md):
 
-    python benchmarks/ab_ssd.py --arm "A@BASE=--ssd-adaptive" --arm "B@BASE=--no-ssd-adaptive"
+    python benchmarks/ab_ssd.py --passes 3 --num-prompts 8 --arm "b5=--ssd-budget 5" --arm "b6=--ssd-budget 6" --arm "b8=--ssd-budget 8"
 """
 
 import argparse

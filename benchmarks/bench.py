@@ -79,7 +79,8 @@ class HFAssisted:
     def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int):
         import transformers
 
-        from specd.engine.forward import prepare_forwards
+        from specd.engine.backends import FastPathOptions
+        from specd.engine.backends.cpu import CpuBackend
         from specd.engine.loading import load_causal_lm
 
         transformers.logging.set_verbosity_error()  # generate() warns about its defaults on every call
@@ -91,7 +92,7 @@ class HFAssisted:
         # generate() runs transformers' model as it comes; a verify is timed on the model as a
         # target worker serves it by default.
         self.verify_target = load_causal_lm(target_path).model
-        prepare_forwards(self.verify_target)
+        CpuBackend("cpu").prepare(self.verify_target, FastPathOptions())  # as the stack's CPU target runs
 
     def add_prompt(self, run: ModeRun, prompt: str, max_new_tokens: int) -> None:
         """One greedy assisted generation of `prompt`, added to `run`."""

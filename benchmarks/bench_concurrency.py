@@ -4,8 +4,8 @@ At each level C, C client threads share one queue of requests (the prompt set C 
 each stream sends as many requests as the prompt set holds, on average) and send them as
 GenerateStream calls, each taking the next request as soon as its last one has ended. A
 level's modes do not each run once, one after the other: the machine's speed drifts over the
-minutes a mode takes, and that drift would land on one mode alone (on 2026-11-26 it showed as
-ssd at 0.83x off, where side by side on one stack the two were equal). Each mode's requests
+minutes a mode takes, and that drift would land on one mode alone (it once showed ssd at 0.83x
+off where, side by side on one stack, the two were equal). Each mode's requests
 run in two halves instead, the modes in order and then in reverse (off, sd, ssd, ssd, sd, off),
 so that a drift steady over the level cancels out. A mode's tokens/s is its tokens over the
 wall time of its halves, each from its first request's start to its last one's end; latency

@@ -49,12 +49,13 @@ def _load(path: str, halved: bool):
     for a draft, `halved`: its bfloat16 copies), its query heads attending in groups."""
     import torch
 
-    from specd.engine.forward import prepare_forwards
+    from specd.engine.backends import FastPathOptions
+    from specd.engine.backends.cpu import CpuBackend
     from specd.engine.loading import load_causal_lm
 
     torch.set_num_threads(1)
     model = load_causal_lm(path).model
-    prepare_forwards(model, halved=halved)
+    CpuBackend("cpu").prepare(model, FastPathOptions(halved=halved))
     return model
 
 

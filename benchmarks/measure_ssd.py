@@ -200,52 +200,77 @@ def run(args) -> None:
         _wait_serving(target_port, workers[0])
         _wait_serving(draft_port, workers[1])
         prompts = (json.loads(pathlib.Path(args.prompts_file).read_text()) if args.prompts_file else PROMPTS)[: args.prompts]
-        # One coordinator per setting, all up at once, so that the repeats can interleave the
-        # settings: drift in the machine's speed then hits every setting alike.
-        stubs = []
-        for text in args.settings:
-            mode, overrides = _parse_setting(text)
-            port = _free_port()
-            flags = ["--target-address", f"127.0.0.1:{target_port}", "--draft-address", f"127.0.0.1:{draft_port}"]
-            coordinators.append(_serve("coordinator", port, *flags, *pin.get("coordinator", []), *_flags(overrides)))
-            _wait_serving(port, coordinators[-1])
-            stubs.append((text, mode, coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
+        stubs = _start_coordinators(args.settings, target_port, draft_port, pin, coordinators)
         measure(stubs[0][2], stubs[0][1], prompts[:2], 16, args.k, args.temperature, 1)  # the workers' lazy set-up
-        results: dict[str, list[dict]] = {text: [] for text, _, _ in stubs}
-        for repeat in range(args.repeats):
-            for (text, mode, stub), coordinator in zip(stubs, coordinators):
-                processes = (workers[0], workers[1], coordinator)
-                cpu_before = [cpu_seconds(p.pid) for p in processes]
-                before = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
-                t = measure(stub, mode, prompts, args.max_new, args.k, args.temperature, 1, seed_base=1000 * repeat)
-                after = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
-                t["cpu_ms"] = [1000 * (cpu_seconds(p.pid) - b) for p, b in zip(processes, cpu_before)]
-                t["verify_ms"] = _delta_ms(before[0], after[0], "verify", per_call=True)
-                t["draft_ms"] = _delta_ms(before[1], after[1], None)
-                results[text].append(t)
-        print(f"target {args.target}  draft {args.draft}  K={args.k}  T={args.temperature}  max_new={args.max_new}  "
-              f"repeats={args.repeats} (interleaved)")
-        print(
-            f"{'setting':44s} {'tok/s':>7s} {'spread':>12s} {'ms/round':>9s} {'accept_len':>10s} {'hit_rate':>8s}"
-            f" {'wait_ms/rd':>10s} {'verify_ms':>9s} {'draft_ms/rd':>11s}  cpu ms/round: target draft coordinator"
-        )
-        for text, runs in results.items():
-            rates = [r["tokens"] / r["seconds"] for r in runs]
-            total = {key: sum(r[key] for r in runs) for key in ("tokens", "seconds", "rounds", "hits", "misses", "wait_ms", "draft_ms")}
-            rounds, lookups = total["rounds"], total["hits"] + total["misses"]
-            cpu = [sum(r["cpu_ms"][i] for r in runs) / rounds for i in range(3)]
-            print(
-                f"{text:44s} {statistics.median(rates):7.1f} {min(rates):5.1f}-{max(rates):<6.1f} "
-                f"{1000 * total['seconds'] / rounds:9.2f} {total['tokens'] / rounds:10.2f} "
-                f"{total['hits'] / lookups if lookups else 0:8.2f} {total['wait_ms'] / rounds:10.2f} "
-                f"{statistics.median(r['verify_ms'] for r in runs):9.2f} {total['draft_ms'] / rounds:11.2f}"
-                f"  {cpu[0]:6.2f} {cpu[1]:6.2f} {cpu[2]:6.2f}",
-                flush=True,
-            )
+        results = _measure_interleaved(args, prompts, stubs, coordinators, workers, (target_metrics, draft_metrics))
+        _print_results(args, results)
     finally:
         for process in [*coordinators, *workers]:
             process.terminate()
             process.wait()
+
+
+def _start_coordinators(
+    settings: list[str], target_port: int, draft_port: int, pin: dict, coordinators: list[subprocess.Popen]
+) -> list[tuple]:
+    """(setting, mode, stub) of a serving coordinator per setting. Each process joins
+    `coordinators` as it starts, so that the caller stops the ones started if a later one fails."""
+    # One coordinator per setting, all up at once, so that the repeats can interleave the
+    # settings: drift in the machine's speed then hits every setting alike.
+    stubs = []
+    for text in settings:
+        mode, overrides = _parse_setting(text)
+        port = _free_port()
+        flags = ["--target-address", f"127.0.0.1:{target_port}", "--draft-address", f"127.0.0.1:{draft_port}"]
+        coordinators.append(_serve("coordinator", port, *flags, *pin.get("coordinator", []), *_flags(overrides)))
+        _wait_serving(port, coordinators[-1])
+        stubs.append((text, mode, coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
+    return stubs
+
+
+def _measure_interleaved(
+    args, prompts: list[str], stubs: list[tuple], coordinators: list[subprocess.Popen], workers: list[subprocess.Popen],
+    metrics_ports: tuple[int, int],
+) -> dict[str, list[dict]]:
+    """Each setting's totals per repeat (measure's, plus CPU and forward milliseconds), the repeats
+    interleaving the settings."""
+    target_metrics, draft_metrics = metrics_ports
+    results: dict[str, list[dict]] = {text: [] for text, _, _ in stubs}
+    for repeat in range(args.repeats):
+        for (text, mode, stub), coordinator in zip(stubs, coordinators):
+            processes = (workers[0], workers[1], coordinator)
+            cpu_before = [cpu_seconds(p.pid) for p in processes]
+            before = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
+            t = measure(stub, mode, prompts, args.max_new, args.k, args.temperature, 1, seed_base=1000 * repeat)
+            after = (_forward_totals(target_metrics), _forward_totals(draft_metrics))
+            t["cpu_ms"] = [1000 * (cpu_seconds(p.pid) - b) for p, b in zip(processes, cpu_before)]
+            t["verify_ms"] = _delta_ms(before[0], after[0], "verify", per_call=True)
+            t["draft_ms"] = _delta_ms(before[1], after[1], None)
+            results[text].append(t)
+    return results
+
+
+def _print_results(args, results: dict[str, list[dict]]) -> None:
+    """The run's settings, then a line of figures per setting."""
+    print(f"target {args.target}  draft {args.draft}  K={args.k}  T={args.temperature}  max_new={args.max_new}  "
+          f"repeats={args.repeats} (interleaved)")
+    print(
+        f"{'setting':44s} {'tok/s':>7s} {'spread':>12s} {'ms/round':>9s} {'accept_len':>10s} {'hit_rate':>8s}"
+        f" {'wait_ms/rd':>10s} {'verify_ms':>9s} {'draft_ms/rd':>11s}  cpu ms/round: target draft coordinator"
+    )
+    for text, runs in results.items():
+        rates = [r["tokens"] / r["seconds"] for r in runs]
+        total = {key: sum(r[key] for r in runs) for key in ("tokens", "seconds", "rounds", "hits", "misses", "wait_ms", "draft_ms")}
+        rounds, lookups = total["rounds"], total["hits"] + total["misses"]
+        cpu = [sum(r["cpu_ms"][i] for r in runs) / rounds for i in range(3)]
+        print(
+            f"{text:44s} {statistics.median(rates):7.1f} {min(rates):5.1f}-{max(rates):<6.1f} "
+            f"{1000 * total['seconds'] / rounds:9.2f} {total['tokens'] / rounds:10.2f} "
+            f"{total['hits'] / lookups if lookups else 0:8.2f} {total['wait_ms'] / rounds:10.2f} "
+            f"{statistics.median(r['verify_ms'] for r in runs):9.2f} {total['draft_ms'] / rounds:11.2f}"
+            f"  {cpu[0]:6.2f} {cpu[1]:6.2f} {cpu[2]:6.2f}",
+            flush=True,
+        )
 
 
 def cpu_seconds(pid: int) -> float:

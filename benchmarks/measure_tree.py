@@ -107,6 +107,7 @@ def _builds(args) -> None:
     from draft_service.server import load_runner
     from specd.core.fanout import allocate
     from specd.core.sampling import SamplingSettings
+    from specd.engine.step_batcher import run_alone
 
     config = DraftConfig(model=args.model or DEFAULT_DRAFT, threads=args.threads, prepack_weights=args.prepack_weights,
                          few_row_kernel=args.few_row_kernel)
@@ -115,13 +116,14 @@ def _builds(args) -> None:
     prompt = list(range(10, 10 + args.context))
     greedy = SamplingSettings(temperature=0.0)
     runner.prefill("s", 0, prompt)
-    drafts = runner.propose("s", 0, prompt, k, greedy, 0).draft_tokens
-    propose = _timed(lambda: runner.propose("s", 0, prompt, k, greedy, 0), args.repeats)
+    drafts = run_alone(runner.propose_job("s", 0, prompt, k, greedy, 0)).draft_tokens
+    propose = _timed(lambda: run_alone(runner.propose_job("s", 0, prompt, k, greedy, 0)), args.repeats)
     print(f"prepacked weights: {args.prepack_weights}, few-row kernel: {args.few_row_kernel}, context {args.context}, {args.threads} thread(s)")
     print(f"Propose of {k} tokens: {propose:.2f} ms")
     for budget in (0, 1, 2, 4, 8, 16, 24):
         fanout = allocate(0.87, k, budget, runner.loaded.vocab_size, 0.5)
-        ms = _timed(lambda: runner.speculate("s", 0, prompt, drafts, k, fanout, greedy, 0, 1.0, [], threading.Event()), args.repeats)
+        tree = lambda: run_alone(runner.speculate_job("s", 0, prompt, drafts, k, fanout, greedy, 0, 1.0, [], threading.Event()))  # noqa: E731
+        ms = _timed(tree, args.repeats)
         print(f"build B={budget:2d} {fanout}: {ms:.2f} ms")
 
 

@@ -5,7 +5,7 @@ at each K, interleaved prompt by prompt (so the machine's drift hits every K ali
 
 Prints per mode and K: tokens/s, tokens per round, acceptance, cache hit rate, ms per round and
 the target's verify ms per round, target-only once beside them, and whether every greedy output
-was identical. How the default K = 4 was chosen (docs/ssd.md).
+was identical. How the default K was chosen (docs/decisions.md).
 """
 
 import argparse

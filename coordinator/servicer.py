@@ -20,7 +20,7 @@ from coordinator.request import ResolvedRequest, TargetFacts, check, resolve
 from coordinator.round_trace import llm_request, llm_request_stream
 from coordinator.target_link import TargetLink
 from specd.observability.telemetry import get_tracer, trace_id_hex
-from specd.serving.status import ModelLoading, abort_on_error
+from specd.serving.status import ModelLoading, rpc_edge
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -119,42 +119,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             async with contextlib.aclosing(events) as events:
                 yield resolved, events
 
+    @rpc_edge
     async def _generate(self, request, context, trace_id: str):
-        try:
-            async with self._admitted(request, context) as (resolved, events):
-                async for event in events:
-                    if isinstance(event, Finish):
-                        return coordinator_pb2.GenerateResponse(
-                            text=event.text,
-                            token_ids=event.token_ids,
-                            logprobs=event.logprobs,
-                            **event.response_fields(resolved.request_id, trace_id),
-                        )
-        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
-            await abort_on_error(context, exc)
+        async with self._admitted(request, context) as (resolved, events):
+            async for event in events:
+                if isinstance(event, Finish):
+                    return coordinator_pb2.GenerateResponse(
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        logprobs=event.logprobs,
+                        **event.response_fields(resolved.request_id, trace_id),
+                    )
 
+    @rpc_edge
     async def _generate_stream(self, request, context, trace_id: str):
-        try:
-            async with self._admitted(request, context) as (resolved, events):
-                async for event in events:
-                    if isinstance(event, Finish):
-                        yield coordinator_pb2.GenerateStreamResponse(**event.response_fields(resolved.request_id, trace_id))
-                    elif event.token_ids or event.text:
-                        yield coordinator_pb2.GenerateStreamResponse(
-                            text=event.text,
-                            token_ids=event.token_ids,
-                            logprobs=event.logprobs,
-                            request_id=resolved.request_id,
-                            trace_id=trace_id,
-                        )
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
+        async with self._admitted(request, context) as (resolved, events):
+            async for event in events:
+                if isinstance(event, Finish):
+                    yield coordinator_pb2.GenerateStreamResponse(**event.response_fields(resolved.request_id, trace_id))
+                elif event.token_ids or event.text:
+                    yield coordinator_pb2.GenerateStreamResponse(
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        logprobs=event.logprobs,
+                        request_id=resolved.request_id,
+                        trace_id=trace_id,
+                    )
 
+    @rpc_edge
     async def ModelInfo(self, request, context):
-        try:
-            facts = self._ready_facts()
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
+        facts = self._ready_facts()
         draft_info = self.draft.info if self.draft is not None else None
         return coordinator_pb2.ModelInfoResponse(
             target_model=facts.model,

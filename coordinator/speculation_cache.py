@@ -16,6 +16,7 @@ from typing import Iterator
 from specd.core.outcomes import Outcome, outcome_of
 from specd.core.sampling import SparseDist
 from specd.v1 import draft_pb2
+from specd.wire.convert import sparse_list_from_proto
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +47,7 @@ class CachedDraft:
 
     def draft(self, count: int | None = None) -> Draft:
         """Its first `count` tokens (all by default) and their q."""
-        tokens = self.entry.draft_tokens[:count]
-        dists = [SparseDist(list(d.token_ids), list(d.probs)) for d in self.entry.draft_probs[:count]]
-        return Draft(list(tokens), dists)
+        return Draft(list(self.entry.draft_tokens[:count]), sparse_list_from_proto(self.entry.draft_probs[:count]))
 
 
 class SpeculationCache:

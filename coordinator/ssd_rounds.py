@@ -21,7 +21,7 @@ draft is back, as in sd.
 
 Exactness: any q is exact as long as the verifier gets the q the draft sampled from, and each
 cache entry carries its own. Which q a round uses depends on timing, so ssd is
-distribution-exact rather than seed-reproducible (DESIGN.md).
+distribution-exact rather than seed-reproducible (docs/api.md, "Exactness").
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class DraftConfig(WorkerConfig):
         8, "copy drafting: of the earlier occurrences, copy after the one that matches the most of the context's last tokens, up to N (the latest among equals)"
     )
     # Bounds on one call's work, so that no caller holds the model thread for long: over 10x the
-    # coordinator's default --ssd-budget (12), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
+    # coordinator's --ssd-budget on either device profile (6), and its largest K (MAX_SPECULATIVE_TOKENS, 32).
     max_speculate_branches: int = setting(
         128, "Speculate: most branches one call may ask for (its fan-out's sum); keep >= the coordinator's --ssd-budget"
     )

@@ -1,8 +1,8 @@
 """The draft model runner: sessions and forwards, with no gRPC in it.
 
 Propose and Speculate are step jobs (specd/engine/step_batcher.py): generators that yield each
-forward they need, so that the jobs of different sessions share forwards. `propose` and
-`speculate` run one job alone.
+forward they need, so that the jobs of different sessions share forwards (run_alone runs one
+by itself).
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import dataclasses
 import threading
 
 from draft_service.copy_drafting import OFF, CopyDrafting
-from draft_service.speculation import DraftPenalty, SpeculationResult, build_steps, draft_distributions, sample_draft_token
+from draft_service.speculation import DraftPenalty, build_steps, draft_distributions, sample_draft_token
 from specd.core.sampling import SamplingSettings, SparseDist
 from specd.engine.forward import forward_logits, prefill_session
 from specd.engine.lean_llama import lean_or_plain
 from specd.engine.loading import LoadedModel
 from specd.engine.packed_forward import Segment, enable_packing
 from specd.engine.session_cache import Session, SessionStore
-from specd.engine.step_batcher import Job, Step, guarded_step, run_alone
+from specd.engine.step_batcher import Job, Step, guarded_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,21 +29,24 @@ class Proposal:
 
 
 class DraftModelRunner:
-    def __init__(self, loaded: LoadedModel, sessions: SessionStore, max_support: int, copy: CopyDrafting = OFF):
+    def __init__(
+        self, loaded: LoadedModel, sessions: SessionStore, max_support: int, copy: CopyDrafting = OFF, backend: str = "cpu",
+        fast_paths: tuple[str, ...] = (),
+    ):
         self.loaded = loaded
         self.copy = copy
         self.model = lean_or_plain(loaded.model)  # a draft's forwards are mostly per-call overhead
         self.packer = enable_packing(loaded.model)  # None: one session per forward
         self.sessions = sessions
         self.max_support = max_support
+        self.backend = backend  # the device backend the model runs on, and the fast paths it took
+        self.fast_paths = fast_paths + tuple(
+            path for path, taken in (("lean_forward", self.model is not loaded.model), ("packed_forward", self.packer is not None)) if taken
+        )
 
     def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms)."""
         return prefill_session(self.model, self.sessions.open(session_id, start), start, tokens)
-
-    def propose(self, *args, **kwargs) -> Proposal:
-        """Draft tokens autoregressively after the committed history, alone; the arguments are propose_job's."""
-        return run_alone(self.propose_job(*args, **kwargs))
 
     def propose_job(
         self,
@@ -86,11 +89,6 @@ class DraftModelRunner:
             Segment(session.cache, feed, num_logits),
             lambda: forward_logits(self.model, session.cache, feed, num_logits),
         )))
-
-    def speculate(self, *args, **kwargs) -> SpeculationResult:
-        """SSD: the speculation cache for the round verifying `draft_tokens` (see speculation.py),
-        built alone; the arguments are speculate_job's."""
-        return run_alone(self.speculate_job(*args, **kwargs))
 
     def speculate_job(
         self,

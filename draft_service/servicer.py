@@ -14,7 +14,7 @@ from specd.core.sampling import SamplingSettings
 from specd.engine.step_batcher import StepBatcher
 from specd.observability.telemetry import set_specd, worker_span
 from specd.serving.model_thread import ModelThread
-from specd.serving.status import abort_on_error
+from specd.serving.status import rpc_edge
 from specd.v1 import draft_pb2, draft_pb2_grpc
 from specd.wire.checks import check_committed, check_token_ids
 from specd.wire.convert import sampling_from_proto, sparse_to_proto
@@ -83,37 +83,34 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
         self._observe(name.removeprefix("spec_"), result.forward_ms)
         return result
 
+    @rpc_edge
     async def Propose(self, request, context):
-        try:
-            runner = self._ready_runner()
-            loaded = runner.loaded
-            self._check_open_session_id(request.session_id)
-            if not 1 <= request.num_tokens <= self._max_depth:
-                raise InvalidRequest(f"num_tokens must lie in [1, {self._max_depth}], got {request.num_tokens}")
-            tokens = check_committed(
-                request.committed, loaded.vocab_size, loaded.context_length, request.num_tokens
-            )
-            sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
-            job = functools.partial(
-                runner.propose_job,
-                request.session_id,
-                request.committed.start,
-                tokens,
-                request.num_tokens,
-                sampling,
-                request.max_support,
-                *_saguaro(request.saguaro),
-            )
-            run = asyncio.wrap_future(self._step_batcher(runner).start(job, request.session_id))
-            proposal = await self._traced("spec_propose", run, lambda p: {"forward_ms": p.forward_ms}, num_tokens=request.num_tokens)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
-            await abort_on_error(context, exc)
+        runner = self._ready_runner()
+        loaded = runner.loaded
+        self._check_open_session_id(request.session_id)
+        if not 1 <= request.num_tokens <= self._max_depth:
+            raise InvalidRequest(f"num_tokens must lie in [1, {self._max_depth}], got {request.num_tokens}")
+        tokens = check_committed(request.committed, loaded.vocab_size, loaded.context_length, request.num_tokens)
+        sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
+        job = functools.partial(
+            runner.propose_job,
+            request.session_id,
+            request.committed.start,
+            tokens,
+            request.num_tokens,
+            sampling,
+            request.max_support,
+            *_saguaro(request.saguaro),
+        )
+        run = asyncio.wrap_future(self._step_batcher(runner).start(job, request.session_id))
+        proposal = await self._traced("spec_propose", run, lambda p: {"forward_ms": p.forward_ms}, num_tokens=request.num_tokens)
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             draft_probs=[sparse_to_proto(d) for d in proposal.draft_dists],
             forward_ms=proposal.forward_ms,
         )
 
+    @rpc_edge
     async def Speculate(self, request, context):
         """Streams the branches' (k, t*) as soon as step 0 has run, then the whole cache."""
         # Cancelling the call (the coordinator stopped waiting) stops the build between steps;
@@ -130,11 +127,12 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
                     guesses=draft_pb2.SpeculationGuesses(accepted=[j for j, _ in roots], next_token=[g for _, g in roots])
                 )
             result = await job
-        except (asyncio.CancelledError, GeneratorExit, SpeculationCancelled):
+        except (asyncio.CancelledError, GeneratorExit):
             _stop_build(cancel, job)
             raise
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
+        except SpeculationCancelled:  # the build saw the caller go first: the call is cancelled
+            _stop_build(cancel, job)
+            raise asyncio.CancelledError() from None
         yield draft_pb2.SpeculateResponse(cache=_cache_message(result))
 
     def _check_speculate(self, request) -> _SpeculateCall:

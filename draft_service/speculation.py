@@ -31,7 +31,7 @@ from specd.engine.forward import forward_logits
 from specd.engine.kv_cache import croppable
 from specd.engine.packed_forward import Segment
 from specd.engine.session_cache import Session
-from specd.engine.step_batcher import Job, Step, guarded_step, run_alone
+from specd.engine.step_batcher import Job, Step, guarded_step
 
 
 class SpeculationCancelled(Exception):
@@ -143,11 +143,6 @@ def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int], c
         excluded = draft_tokens[j] if j < len(draft_tokens) else None
         roots.extend((j, g) for g in [t for t in ranked if t != excluded][:count])
     return roots
-
-
-def build(*args, **kwargs) -> SpeculationResult:
-    """build_steps run alone: the whole build on the calling thread."""
-    return run_alone(build_steps(*args, **kwargs))
 
 
 def build_steps(

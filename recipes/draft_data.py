@@ -1,16 +1,10 @@
 """The draft recipe's data: prompts written from the Python standard library, and the target's
 own continuations of them with its top-k log-probabilities at every position.
 
-Everything here is rebuilt offline from the stdlib this interpreter ships. Files are split by
-the sha1 of their relative path, so a held-out file never lends a prompt to training.
-
-Prompts come in three kinds, as the server is used:
-- code: a window of a stdlib file, cut at a line start, continued as plain text;
-- chat: one user message (sometimes after a system message) that the recipe writes from a
-  function or class of the stdlib: write it from its docstring, explain its source, document
-  it, test it; rendered with the target's chat template;
-- self: one user message that the target itself writes when given the template's start of a
-  user turn (the requests it was tuned to answer: code, prose, questions), rendered the same way.
+This module continues prompts with the target. The stdlib and its held-out split are in
+draft_stdlib.py, the kinds of prompt in draft_prompts.py, and how the next token is chosen in
+draft_sampling.py; their names are imported here too, so that the recipe, its tests and the
+benchmarks find all of the data's names in one module.
 
 A shard is a batch of prompts continued together by the target, greedily or sampled as the
 shard's seed decides. It stores, per sequence, the prompt ids, the generated ids and the
@@ -20,202 +14,24 @@ position after the first: the prompt's (teacher-forced) and the continuation's.
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import json
-import os
 import random
-import re
-import sysconfig
-from pathlib import Path
 
 import torch
 
-EXCLUDED_DIRS = {"test", "tests", "idle_test", "lib2to3", "site-packages", "__pycache__", "idlelib", "turtledemo"}
-
-SYSTEM_MESSAGES = (
-    "You are a concise Python expert.",
-    "You are a helpful coding assistant. Answer with code where it helps.",
-    "You are a patient teacher who explains programming clearly.",
+from draft_prompts import SYSTEM_MESSAGES, chat_messages, code_prompt, make_prompts, prompts_file_ids, user_turn_prefix  # noqa: F401
+from draft_sampling import choose_next, nucleus  # noqa: F401
+from draft_stdlib import (  # noqa: F401
+    _LINE,
+    EXCLUDED_DIRS,
+    all_definitions,
+    documented_definitions,
+    is_heldout,
+    module_name,
+    read_split,
+    source_segment,
+    stdlib_files,
+    stdlib_root,
 )
-
-
-def stdlib_root(explicit: Path | None = None) -> Path:
-    """`explicit` if given (another interpreter's stdlib, to rebuild that data), else this interpreter's."""
-    return explicit if explicit is not None else Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path) -> list[str]:
-    """Relative paths (posix, sorted) of the stdlib's *.py files, tests and demos left out."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        for name in filenames:
-            if name.endswith(".py"):
-                found.append((Path(dirpath) / name).relative_to(root).as_posix())
-    return sorted(found)
-
-
-def is_heldout(relative_path: str, percent: int) -> bool:
-    digest = int.from_bytes(hashlib.sha1(relative_path.encode()).digest()[:8], "big")
-    return digest % 100 < percent
-
-
-def read_split(heldout_percent: int, heldout: bool, root: Path | None = None) -> dict[str, str]:
-    """{relative path: source} for one side of the split of the stdlib at `root` (default: this interpreter's)."""
-    root = stdlib_root(root)
-    sources = {}
-    for rel in stdlib_files(root):
-        if is_heldout(rel, heldout_percent) != heldout:
-            continue
-        try:
-            text = (root / rel).read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if text.strip():
-            sources[rel] = text
-    return sources
-
-
-def code_prompt(source: str, rng: random.Random, min_lines: int = 6, max_chars: int = 900) -> str:
-    """A window of whole lines ending mid-file, at most `max_chars` long."""
-    lines = source.splitlines(keepends=True)
-    if len(lines) <= min_lines + 1:
-        return source[:max_chars]
-    end = rng.randrange(min_lines, len(lines))
-    window: list[str] = []
-    size = 0
-    for line in reversed(lines[:end]):
-        if size + len(line) > max_chars and len(window) >= min_lines:
-            break
-        window.insert(0, line)
-        size += len(line)
-    return "".join(window)[-max_chars:]
-
-
-# A line and its ending as ast counts lines: "\r\n", "\r" or "\n" end one (str.splitlines would
-# also split at form feeds and other separators, and miscount ast's line numbers).
-_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
-
-
-def source_segment(lines: list[str], node: ast.AST) -> str:
-    """ast.get_source_segment(source, node) for `lines` = _LINE.findall(source), split once per
-    file: get_source_segment splits the whole source again for every node, which made reading
-    the stdlib's definitions take 40 s."""
-    first, last = node.lineno - 1, node.end_lineno - 1
-    # Column offsets count UTF-8 bytes.
-    if first == last:
-        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
-    head = lines[first].encode()[node.col_offset :].decode()
-    tail = lines[last].encode()[: node.end_col_offset].decode()
-    return "".join([head, *lines[first + 1 : last], tail])
-
-
-def documented_definitions(module: str, source: str) -> list[dict]:
-    """Top-level and method definitions that have a docstring: name, signature, doc, source."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    lines = _LINE.findall(source)
-    found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
-        doc = ast.get_docstring(node)
-        if not doc or node.name.startswith("_"):
-            continue
-        segment = source_segment(lines, node)
-        if isinstance(node, ast.ClassDef):
-            signature = node.name
-        else:
-            signature = f"{node.name}({ast.unparse(node.args)})"
-        found.append(
-            {
-                "module": module,
-                "name": node.name,
-                "kind": "class" if isinstance(node, ast.ClassDef) else "function",
-                "signature": signature,
-                "summary": doc.strip().split("\n\n")[0].replace("\n", " ")[:300],
-                "source": "\n".join(segment.splitlines()[:40]),
-            }
-        )
-    return found
-
-
-def chat_messages(definition: dict, rng: random.Random) -> list[dict]:
-    """One user request about `definition`, in one of several shapes a user would write."""
-    d = definition
-    summary = d["summary"].rstrip(".")
-    requests = [
-        f"Write a Python {d['kind']} `{d['signature']}`: {summary}.",
-        f"Explain what this Python code does:\n\n```python\n{d['source']}\n```",
-        f"What does `{d['module']}.{d['name']}` in the Python standard library do? Give an example.",
-        f"Write a docstring and type hints for this code:\n\n```python\n{d['source']}\n```",
-        f"Write pytest tests for `{d['module']}.{d['name']}`, which does this: {summary}.",
-        f"How can I do this in Python: {summary[:1].lower() + summary[1:]}?",
-        f"Rewrite this code to be shorter and clearer:\n\n```python\n{d['source']}\n```",
-        f"Find possible bugs in this code:\n\n```python\n{d['source']}\n```",
-    ]
-    messages = []
-    if rng.random() < 0.25:
-        messages.append({"role": "system", "content": rng.choice(SYSTEM_MESSAGES)})
-    messages.append({"role": "user", "content": rng.choice(requests)})
-    return messages
-
-
-def module_name(relative_path: str) -> str:
-    return relative_path[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-
-
-def all_definitions(sources: dict[str, str]) -> list[dict]:
-    return [d for rel in sorted(sources) for d in documented_definitions(module_name(rel), sources[rel])]
-
-
-def make_prompts(tokenizer, sources: dict[str, str], definitions: list[dict], count: int, seed: int, chat_fraction: float, max_prompt_tokens: int, self_fraction: float = 0.0) -> list[dict]:
-    """`count` prompts ({"kind", "text"}, text already rendered for chat) from `sources`.
-
-    A "self" prompt's text is None: the target writes its user message (write_self_chats).
-    """
-    rng = random.Random(seed)
-    paths = sorted(sources)
-    prompts = []
-    while len(prompts) < count:
-        draw = rng.random()
-        if draw < chat_fraction:
-            messages = chat_messages(rng.choice(definitions), rng)
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            kind = "chat"
-        elif draw < chat_fraction + self_fraction:
-            prompts.append({"kind": "self", "text": None})
-            continue
-        else:
-            text = code_prompt(sources[rng.choice(paths)], rng)
-            kind = "code"
-        if 0 < len(tokenizer(text)["input_ids"]) <= max_prompt_tokens:
-            prompts.append({"kind": kind, "text": text})
-    return prompts
-
-
-def prompts_file_ids(path: Path, tokenizer) -> list[tuple[str, list[int]]]:
-    """(kind, token ids) of each prompt of a JSON list written by hand (the evaluation's, never
-    data): a string is a completion prompt (kind code); a list of messages ({"role", "content"})
-    is a chat, rendered with the tokenizer's chat template (kind chat)."""
-    prompts = []
-    for entry in json.loads(path.read_text()):
-        if isinstance(entry, str):
-            kind, text = "code", entry
-        else:
-            kind, text = "chat", tokenizer.apply_chat_template(entry, add_generation_prompt=True, tokenize=False)
-        prompts.append((kind, tokenizer(text)["input_ids"]))
-    return prompts
-
-
-def user_turn_prefix(tokenizer) -> str:
-    """The chat template's text before a first user message's content (its default system message included)."""
-    marker = "\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    return text[: text.index(marker)]
 
 
 def write_self_chats(model, tokenizer, prompts: list[dict], definitions: list[dict], seed: int, max_message_tokens: int = 96, rows_per_batch: int = 0) -> None:
@@ -240,44 +56,6 @@ def write_self_chats(model, tokenizer, prompts: list[dict], definitions: list[di
             messages = chat_messages(rng.choice(definitions), rng)
             prompt["kind"] = "chat"
         prompt["text"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def choose_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, candidates: int | None = None) -> torch.Tensor:
-    """Greedy at temperature 0, else temperature + top-p sampling. logits [B, V] -> [B].
-
-    With `candidates`, each row's nucleus is looked for among its `candidates` likeliest tokens
-    first: on a CPU a top-k of 1024 costs a tenth of sorting 49152 ids (20 against 165 ms for
-    48 rows, one thread; timeit, 2026-11-27). A row whose candidates do not hold more than
-    top_p of the mass is sorted whole, so every row keeps the tokens a whole sort keeps.
-    """
-    if temperature == 0.0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)  # [B, V]
-    if top_p >= 1.0:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    if candidates is None or candidates >= probs.shape[-1]:
-        return _draw_from_nucleus(*probs.sort(dim=-1, descending=True), top_p, generator)
-    top_probs, top_ids = probs.topk(candidates, dim=-1)  # [B, M] each, descending
-    whole = top_probs.cumsum(-1)[:, -1] <= top_p  # [B]: the nucleus may reach past the candidates
-    token = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)  # [B]
-    if not bool(whole.all()):
-        token[~whole] = _draw_from_nucleus(top_probs[~whole], top_ids[~whole], top_p, generator)
-    if bool(whole.any()):
-        token[whole] = _draw_from_nucleus(*probs[whole].sort(dim=-1, descending=True), top_p, generator)
-    return token
-
-
-def nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The top-p weights of probabilities sorted descending [B, M]: each row keeps its likeliest
-    tokens up to the first whose mass before it exceeds top_p; the rest become 0. [B, M]"""
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # [B, M]: mass before it already > top_p
-    return sorted_probs.masked_fill(outside, 0.0)
-
-
-def _draw_from_nucleus(sorted_probs: torch.Tensor, sorted_ids: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from the nucleus of sorted_probs [B, M], whose ids are sorted_ids [B, M]. -> [B]"""
-    picked = torch.multinomial(nucleus(sorted_probs, top_p), 1, generator=generator)  # [B, 1]
-    return sorted_ids.gather(-1, picked).squeeze(-1)
 
 
 def continue_in_batches(model, prompt_ids: list[list[int]], rows_per_batch: int, new_tokens: int, temperature: float, top_p: float, topk: int, eos_ids: set[int], pad_id: int, seed: int) -> list[dict]:

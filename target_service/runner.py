@@ -104,20 +104,17 @@ class _Synced:
 
 
 class TargetModelRunner:
-    def __init__(self, loaded: LoadedModel, sessions: SessionStore, pack: bool = True, prefill_chunk: int = 0):
+    def __init__(
+        self, loaded: LoadedModel, sessions: SessionStore, pack: bool = True, prefill_chunk: int = 0, backend: str = "cpu",
+        fast_paths: tuple[str, ...] = (),
+    ):
         self.loaded = loaded
         self.sessions = sessions
         self._packer = enable_packing(loaded.model) if pack else None  # None: one session per forward
+        self.backend = backend  # the device backend the model runs on, and the fast paths it took
+        self.fast_paths = fast_paths + (("packed_forward",) if self._packer is not None else ())
         self._prefill_chunk = prefill_chunk  # in a shared forward, most committed tokens a call caches (0: all)
         self.last_forward: ForwardCost | None = None  # of run_batch's forward, if it ran one
-
-    def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
-        """Cache every committed token but the last; returns (cached tokens, forward ms)."""
-        return self._run_one(PrefillCall(session_id, start, tokens), None)
-
-    def verify(self, session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs) -> VerifyOutcome:
-        """One forward over [last committed token, d_1..d_K], then the ratio test."""
-        return self._run_one(VerifyCall(session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs), None)
 
     def run_batch(self, calls: list[Call], most_tokens: int | None = None) -> list[VerifyOutcome | Prefilled | Again | BaseException]:
         """Verifies and prefills of different sessions in one forward; each call's outcome

@@ -13,7 +13,7 @@ from specd.engine.batcher import Again, Batcher
 from specd.engine.tokenizer_export import export_tokenizer
 from specd.observability.telemetry import set_specd, worker_span
 from specd.serving.model_thread import ModelThread
-from specd.serving.status import abort_on_error
+from specd.serving.status import rpc_edge
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specd.wire.checks import check_committed, check_token_ids
 from specd.wire.convert import sampling_from_proto, sampling_to_proto, sparse_from_proto, tokenizer_spec_to_proto
@@ -80,39 +80,33 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         self._outcomes.forget(session_id)  # verifies sent ahead for it never run
         self._batcher.forget(session_id)  # batches do not wait for its calls
 
+    @rpc_edge
     async def Verify(self, request, context):
+        runner = self._ready_runner()
+        # Checked here, with no await before it counts as verifying: a VerifyAfter sent right
+        # behind it must find its session known. (At most MAX_VERIFY_DRAFT_TOKENS draft_probs.)
+        call = self._prepare(runner, request)
+        self._verifying[call.session_id] += 1  # a VerifyAfter may follow it
         try:
-            runner = self._ready_runner()
-            # Checked here, with no await before it counts as verifying: a VerifyAfter sent right
-            # behind it must find its session known. (At most MAX_VERIFY_DRAFT_TOKENS draft_probs.)
-            call = self._prepare(runner, request)
-            self._verifying[call.session_id] += 1  # a VerifyAfter may follow it
-            try:
-                with worker_span(
-                    self.tracer, "spec_verify", tokens_verified=call.num_draft + 1, new_committed_tokens=len(call.tokens)
-                ) as span:
-                    timed = await asyncio.wrap_future(self._batcher.submit(call))
-                    set_specd(span, forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus)
-            finally:
-                self._verifying[call.session_id] -= 1
-                if not self._verifying[call.session_id]:
-                    del self._verifying[call.session_id]
-            response = self._response(timed.outcome)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
-            await abort_on_error(context, exc)
-        return response
+            with worker_span(
+                self.tracer, "spec_verify", tokens_verified=call.num_draft + 1, new_committed_tokens=len(call.tokens)
+            ) as span:
+                timed = await asyncio.wrap_future(self._batcher.submit(call))
+                set_specd(span, forward_ms=timed.outcome.forward_ms, accepted=timed.outcome.accepted, bonus=timed.outcome.is_bonus)
+        finally:
+            self._verifying[call.session_id] -= 1
+            if not self._verifying[call.session_id]:
+                del self._verifying[call.session_id]
+        return self._response(timed.outcome)
 
+    @rpc_edge
     async def VerifyAfter(self, request, context):
-        try:
-            self._check_verify_after(self._ready_runner(), request)
-            timed = await self._wait_for_choice(request)
-            response = target_pb2.VerifyAfterResponse(matched=False)
-            if timed is not None:
-                self._record_span(timed)
-                response = target_pb2.VerifyAfterResponse(matched=True, verify=self._response(timed.outcome))
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
-        return response
+        self._check_verify_after(self._ready_runner(), request)
+        timed = await self._wait_for_choice(request)
+        if timed is None:
+            return target_pb2.VerifyAfterResponse(matched=False)
+        self._record_span(timed)
+        return target_pb2.VerifyAfterResponse(matched=True, verify=self._response(timed.outcome))
 
     def _check_verify_after(self, runner: TargetModelRunner, request) -> None:
         """A VerifyAfter's choices continue its session where it says, in a session this worker
@@ -171,16 +165,14 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
                 dists.append(dist)
         return VerifyCall(request.session_id, request.committed.start, tokens, draft_tokens, dists, sampling, request.return_logprobs)
 
+    @rpc_edge
     async def Prefill(self, request, context):
         """The prompt's prefill, batched with the verifies and prefills of other sessions."""
-        try:
-            runner = self._ready_runner()
-            self._check_open_session_id(request.session_id)
-            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
-            call = PrefillCall(request.session_id, request.committed.start, tokens)
-            cached, forward_ms = await asyncio.wrap_future(self._batcher.submit(call))
-        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
-            await abort_on_error(context, exc)
+        runner = self._ready_runner()
+        self._check_open_session_id(request.session_id)
+        tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
+        call = PrefillCall(request.session_id, request.committed.start, tokens)
+        cached, forward_ms = await asyncio.wrap_future(self._batcher.submit(call))
         return self.prefill_response(cached_tokens=cached, forward_ms=forward_ms)
 
     def _run_batch(self, items: list) -> list:

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from specd.core.config import ConfigError
+from specd.engine.backends import backend_for
 from specd.engine.forward import warm_up
-from specd.engine.loading import load_causal_lm, set_threads
+from specd.engine.loading import load_causal_lm
 from specd.engine.session_cache import SessionStore
 from target_service.config import TargetConfig
 from target_service.runner import TargetModelRunner
@@ -35,7 +36,7 @@ PARENT_ENV = "SPECD_TP_PARENT_PID"  # set on ranks launched by rank 0: they exit
 HEARTBEAT = "_heartbeat"
 SHUTDOWN = "_shutdown"
 END_SESSIONS = "_end_sessions"
-RUNNER_METHODS = ("prefill", "verify", "run_batch", "end_session")
+RUNNER_METHODS = ("run_batch", "end_session")
 
 
 class RankFailure(OSError):
@@ -159,7 +160,8 @@ def load_local_runner(config: TargetConfig, job: Job) -> TargetModelRunner:
     """Every rank: join the job, load its shard of the model, warm up (together: warm-up has collectives)."""
     from transformers.distributed import DistributedConfig
 
-    set_threads(config.threads or 1)
+    backend = backend_for(device_type(config))
+    backend.set_threads(config.threads or 1)
     device = init_groups(config, job)
     log.info("rank %d/%d joined the job on %s; loading %s", job.rank, job.world_size, device, config.model)
     loaded = load_causal_lm(
@@ -171,4 +173,5 @@ def load_local_runner(config: TargetConfig, job: Job) -> TargetModelRunner:
     warm_up(loaded.model)
     dist.barrier(group=job.command_group)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
-    return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)
+    # Sharded weights are not plain tensors: the backend's fast paths do not apply to them.
+    return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=backend.name)

@@ -48,11 +48,13 @@ class TensorParallelTargetRunner:
     def sessions(self) -> SessionStore:
         return self.local.sessions
 
-    def prefill(self, session_id: str, start: int, tokens: list[int]):
-        return self._call("prefill", session_id, start, tokens)
+    @property
+    def backend(self) -> str:
+        return self.local.backend
 
-    def verify(self, session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs):
-        return self._call("verify", session_id, start, tokens, draft_tokens, draft_dists, sampling, return_logprobs)
+    @property
+    def fast_paths(self) -> tuple[str, ...]:
+        return self.local.fast_paths
 
     def run_batch(self, calls, most_tokens=None):
         """Every rank runs the packed forward: a call that fails fails alike on each, before any

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Callable
 
 from specd.core.config import ConfigError
-from specd.engine.forward import prepare_forwards, warm_up
-from specd.engine.loading import load_causal_lm, set_threads
 from specd.engine.session_cache import SessionStore
 from specd.serving.server import RunningService
 from specd.v1 import target_pb2, target_pb2_grpc
+from specd.worker.loading import load_prepared
 from specd.worker.server import start_worker
 from target_service.config import TargetConfig
 from target_service.prefill_pacing import FIRST_CHUNK_TOKENS, PrefillPacer
@@ -23,12 +22,11 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     """The whole model on one device."""
     if config.tensor_parallel > 1:
         raise ConfigError("a tensor-parallel target starts through target_service.tensor_parallel.serve")
-    set_threads(config.threads)
-    loaded = load_causal_lm(config.model, dtype=config.dtype, device=config.device)
-    prepare_forwards(loaded.model, config.prepack_weights, config.few_row_kernel, grouped_attention=config.grouped_attention)
-    warm_up(loaded.model)
+    prepared = load_prepared("target", config)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
-    return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens)
+    return TargetModelRunner(
+        prepared.loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=prepared.backend, fast_paths=prepared.fast_paths
+    )
 
 
 async def start_target(

@@ -97,3 +97,26 @@ def test_plain_layers_load_without_torch(module):
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, f"{module} imports {run.stdout.strip()}\n{run.stderr[-2000:]}"
+
+
+# The runtime's shape: a file is one concern and stays short, a function does one thing.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+SHAPED = ("specd", "coordinator", "draft_service", "target_service", "benchmarks", "recipes", "tools")
+
+
+def test_files_and_functions_stay_short():
+    too_long = []
+    for folder in SHAPED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.parent.name == "v1":  # generated from protos/
+                continue
+            text = path.read_text()
+            where = path.relative_to(ROOT)
+            if len(text.splitlines()) > MAX_FILE_LINES:
+                too_long.append(f"{where}: {len(text.splitlines())} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        too_long.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, "past the limits (a file ~400 lines, a function ~60):\n" + "\n".join(too_long)

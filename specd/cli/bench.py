@@ -20,24 +20,32 @@ from specd.wire.modes import OFF, SD, SSD
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="benchmark target-only, sd, ssd and HF assisted generation")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: the default pair's)")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (default: the default pair's)")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="target model folder or hub id (default: the default pair's, %(default)s)")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT,
+                        help="draft model folder or hub id (default: the default pair's, %(default)s)")
     parser.add_argument("--address", default="",
                         help="benchmark the running coordinator at HOST:PORT only: no stack of its own, and no "
-                             "hf_assisted or verify timing (they run local models in this process)")
-    parser.add_argument("--modes", default="off,sd,ssd,hf_assisted", help="comma-separated modes to run")
-    parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (chat prompts rendered with the chat template)")
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts taken from the file")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+                             "hf_assisted or verify timing (they run local models in this process; default: start a "
+                             "stack of --target and --draft with `specd up`, and stop it at the end)")
+    parser.add_argument("--modes", default="off,sd,ssd,hf_assisted",
+                        help="comma-separated modes to run (default: %(default)s)")
+    parser.add_argument("--prompts", default=str(BENCH_PROMPTS),
+                        help="JSON list of prompt strings (chat prompts rendered with the chat template; default: the "
+                             "default pair's bench prompts, %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=8,
+                        help="prompts taken from the start of the file (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="most tokens generated per prompt in each mode (default: %(default)s)")
     parser.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                         help="K, draft tokens per round (default: the coordinator's, as its ModelInfo says)")
-    # One pass and no tracing stacks by default: the whole default run must stay within 10 minutes
-    # on the 2-core machine, and two passes took 13.2 there (2026-11-27, a target step of ~100 ms
-    # on one core). Drift is already handled inside a pass: a prompt's modes run seconds apart.
+    # One pass and no tracing stacks by default: the default run stays within 10 minutes on a
+    # 2-core machine, where two passes did not. Drift is handled inside a pass: a prompt's modes
+    # run seconds apart.
     parser.add_argument("--repeats", type=int, default=1,
                         help="passes over all prompts, each prompt through every mode in turn (default 1; "
                              "more give the spread of tokens/s between passes)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
     # Default 1: the run above, one request at a time, whose figures are `modes`; the JSON gets a
     # `concurrency` block only when levels are named.
     parser.add_argument("--concurrency", default=None,
@@ -45,8 +53,8 @@ def add_parser(subparsers) -> None:
                              "`modes` reports): off, sd and ssd (those in --modes) also run at each level with that "
                              "many concurrent GenerateStream clients, reported under `concurrency` in the JSON")
     parser.add_argument("--tracing-overhead", action=argparse.BooleanOptionalAction, default=False,
-                        help="also run ssd on a stack with tracing disabled and one exporting every span")
-    parser.add_argument("--json", dest="json_path", default="", help="write the results to this file")
+                        help="also run ssd on a stack with tracing disabled and one exporting every span (default: off)")
+    parser.add_argument("--json", dest="json_path", default="", help="write the results to this file as JSON (default: none; the table goes to stdout either way)")
     connect.add_arguments(parser)  # TLS and token for the coordinator at --address
     parser.set_defaults(run=run)
 

@@ -22,14 +22,16 @@ TOKEN_ENV = "SPECD_AUTH_TOKEN"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--tls-ca-file", default=env("SPECD_TLS_CA_FILE", ""),
-                        help="PEM CA that signed the coordinator's certificate: connect over TLS (env SPECD_TLS_CA_FILE)")
+                        help="PEM CA that signed the coordinator's certificate: connect over TLS "
+                             "(env SPECD_TLS_CA_FILE; default: none: plaintext, or with --tls-cert-file the system's CAs)")
     parser.add_argument("--tls-cert-file", default=env("SPECD_TLS_CERT_FILE", ""),
-                        help="PEM client certificate, for a coordinator that requires one (env SPECD_TLS_CERT_FILE)")
+                        help="PEM client certificate, for a coordinator that requires one "
+                             "(env SPECD_TLS_CERT_FILE; default: none)")
     parser.add_argument("--tls-key-file", default=env("SPECD_TLS_KEY_FILE", ""),
-                        help="PEM private key of --tls-cert-file (env SPECD_TLS_KEY_FILE)")
+                        help="PEM private key of --tls-cert-file (env SPECD_TLS_KEY_FILE; default: none)")
     parser.add_argument("--auth-token-file", default=env("SPECD_AUTH_TOKEN_FILE", ""),
                         help=f"file holding the coordinator's token, sent as `authorization: Bearer TOKEN` "
-                             f"(env SPECD_AUTH_TOKEN_FILE; or the token itself in env {TOKEN_ENV})")
+                             f"(env SPECD_AUTH_TOKEN_FILE; default: the token itself in env {TOKEN_ENV}, else none)")
 
 
 def auth_token(args: argparse.Namespace) -> str:

@@ -34,23 +34,49 @@ def add_parser(subparsers) -> None:
         "prompt", metavar="PROMPT", help="the prompt text (with --chat: the user's message); '-' reads it from stdin"
     )
     parser.add_argument("--chat", action="store_true",
-                        help="send PROMPT as one user message, rendered with the target's chat template")
-    parser.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
-    parser.add_argument("--address", default=None, help="coordinator HOST:PORT (default: the one `specd up` printed)")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+                        help="send PROMPT as one user message, rendered with the target's chat template "
+                             "(default: off, PROMPT is sent as plain text)")
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="with --chat: a system message before it (default: none)")
+    parser.add_argument("--address", default=None,
+                        help="coordinator HOST:PORT (env SPECD_ADDRESS; default: the one a running `specd up` printed, "
+                             f"else {DEFAULT_ADDRESS})")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="most tokens to generate (default: the coordinator's --default-max-new-tokens, 128 "
+                             "unless it is set)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature; 0 is greedy (default: the target checkpoint's generation "
+                             "defaults, greedy when it has none)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample only among the K likeliest tokens; 0 is off (default: the target checkpoint's "
+                             "generation defaults, off when it has none)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling: sample only among the likeliest tokens that together hold this much "
+                             "probability, in (0, 1]; 1 is off (default: the target checkpoint's generation defaults, "
+                             "off when it has none)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling, to repeat a sampled output (default: the coordinator picks one "
+                             "and reports it in the stats)")
     parser.add_argument("--repetition-penalty", type=float, default=None,
-                        help="> 1 discourages every token of the prompt and output so far (1: off)")
-    parser.add_argument("--mode", choices=MODES, default=AUTO, help="speculation mode")
-    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=None, help="K draft tokens per round")
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    parser.add_argument("--logprobs", action="store_true", help="return each token's target log-probability")
-    parser.add_argument("--timeout", type=float, default=600.0, help="request deadline in seconds")
-    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+                        help="> 1 discourages every token of the prompt and output so far; 1 is off (default: the "
+                             "target checkpoint's generation defaults, off when it has none)")
+    parser.add_argument("--mode", choices=MODES, default=AUTO,
+                        help="speculation mode (default: %(default)s: the coordinator's --default-mode, and where that "
+                             "is auto too, ssd with a draft worker, else off)")
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                        help="K draft tokens per round (default: the coordinator's --num-speculative-tokens, its "
+                             "target device's profile unless it is set)")
+    parser.add_argument("--stop", action="append", default=[],
+                        help="a stop string: generation ends where it appears, and the text leaves it out "
+                             "(repeatable; default: none)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past EOS, up to --max-new-tokens (default: off, EOS ends the output)")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="return each token's target log-probability, in the --json output (default: off)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="request deadline in seconds (default: %(default)s)")
+    parser.add_argument("--json", action="store_true",
+                        help="print exactly one JSON object on stdout (default: off, the text streams to stdout "
+                             "and a summary line to stderr)")
     connect.add_arguments(parser)
     parser.set_defaults(run=run)
 

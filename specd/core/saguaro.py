@@ -12,32 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from specd.core.sampling import SparseDist
-
-
-def reshape(dist: SparseDist, top_f: int, c: float) -> SparseDist:
-    """q': multiply the top-`top_f` probabilities of `dist` by c and renormalise.
-
-    Returns `dist` unchanged when there is nothing to reshape (c = 1, top_f = 0) or when the
-    reshaped mass would vanish (c = 0 and the whole support is in the top F).
-    """
-    assert 0.0 <= c <= 1.0, c
-    if c == 1.0 or top_f <= 0 or len(dist.token_ids) <= 1:
-        return dist
-    order = sorted(range(len(dist.probs)), key=lambda i: -dist.probs[i])
-    top = set(order[:top_f])
-    weighted = [p * c if i in top else p for i, p in enumerate(dist.probs)]
-    total = sum(weighted)
-    if total <= 0.0:
-        return dist
-    return SparseDist(token_ids=list(dist.token_ids), probs=[w / total for w in weighted])
-
 
 def reshape_sorted(probs: torch.Tensor, top_f: int, c: float) -> torch.Tensor:
-    """`reshape` for a batch of distributions whose columns are sorted by falling probability.
+    """q' for a batch of distributions whose columns are sorted by falling probability: the top
+    `top_f` probabilities of each row multiplied by c, renormalised.
 
     probs: [R, N], each row summing to 1 (zeros allowed at the end) -> q' [R, N]. A row whose
-    reshaped mass would vanish is returned unchanged, as `reshape` does.
+    reshaped mass would vanish (c = 0 and all its mass in the top F) is returned unchanged.
     """
     assert 0.0 <= c <= 1.0, c
     if c == 1.0 or top_f <= 0:

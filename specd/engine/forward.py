@@ -21,23 +21,6 @@ def forward_logits(model, cache, tokens: list[int], num_logits: int) -> tuple[to
     return logits, (time.perf_counter() - started) * 1000.0
 
 
-def prepare_forwards(
-    model, prepack: bool = True, few_row_kernel: bool = True, halved: bool = False, grouped_attention: bool = True
-) -> None:
-    """Set `model` up to run forwards as the workers run them: with `prepack`, its linear weights
-    prepacked (specd.engine.backends.cpu_kernels.prepacked_linear: the few-row kernel with `few_row_kernel`, a draft's
-    bfloat16 copies with `halved`); with `grouped_attention`, its query heads attending in groups
-    (specd.engine.backends.cpu_kernels.grouped_attention). Each step checks that it fits the model here and leaves the model
-    as it is where not."""
-    from specd.engine.backends.cpu_kernels.grouped_attention import use_grouped_attention
-    from specd.engine.backends.cpu_kernels.prepacked_linear import prepack_linears
-
-    if prepack:
-        prepack_linears(model, few_row_kernel=few_row_kernel, halved=halved)
-    if grouped_attention:
-        use_grouped_attention(model)
-
-
 def warm_up(model) -> None:
     """One throwaway forward so that the first request does not pay for lazy initialisation."""
     from specd.engine.kv_cache import GrowingKVCache

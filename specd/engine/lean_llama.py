@@ -1,6 +1,6 @@
 """A Llama forward without transformers' per-call wrappers, for the draft worker.
 
-A draft model is small (the demo draft has one layer), so a tree step's time is mostly the
+A draft model is small (a few layers), so a tree step's time is mostly the
 Python around the arithmetic, not the arithmetic: output capturing, config defaults, mask
 creation, output dataclasses. LeanLlama calls the model's own modules (embedding, rotary
 embedding, decoder layers, final norm, LM head) in the order LlamaModel.forward does and
@@ -19,6 +19,7 @@ import torch
 from transformers.masking_utils import create_causal_mask
 
 from specd.engine.forward_probe import same_logits
+from specd.engine.llama_layers import decoder_layers, run_layers
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class LeanLlama:
         self.model = model
         self.config = model.config
         self._inner = model.model
-        self._layers = list(model.model.layers[: model.config.num_hidden_layers])
+        self._layers = decoder_layers(model)
 
     @property
     def device(self) -> torch.device:
@@ -68,16 +69,7 @@ class LeanLlama:
                 past_key_values=past_key_values,
                 position_ids=position_ids,
             )
-        position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)  # (cos, sin): [1, L, D]
-        for layer in self._layers:
-            hidden = layer(
-                hidden,
-                attention_mask=attention_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-            )
+        hidden = run_layers(self.model, self._layers, hidden, position_ids, past_key_values, attention_mask, use_cache)
         hidden = inner.norm(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]  # [1, kept, H]

@@ -9,6 +9,7 @@ import torch
 
 from specd.core.sampling import SamplingSettings
 from specd.core.tokenizer_spec import fingerprint
+from specd.engine.backends import resolve_device
 from specd.engine.draft_model import DraftLlamaForCausalLM, borrow_from_target
 from specd.engine.model_names import DTYPE_NAMES, resolve
 
@@ -45,12 +46,6 @@ class LoadedModel:
     tokenizer_fingerprint: str
     dtype: str
     device: str
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def load_tokenizer(name: str):
@@ -136,9 +131,3 @@ def _warn_unsupported(config) -> None:
 def tokenizer_fingerprint(tokenizer) -> str:
     """A digest of the string -> id mapping: equal digests mean the same ids for the same strings."""
     return fingerprint(tokenizer.get_vocab())
-
-
-def set_threads(threads: int) -> None:
-    """Pin torch's intra-op threads: two workers on a small machine must not fight for cores."""
-    if threads > 0:
-        torch.set_num_threads(threads)

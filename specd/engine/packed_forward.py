@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from specd.engine.backends.cpu_kernels.grouped_attention import GROUPED_SDPA, grouped_sdpa_attention
 from specd.engine.backends.cpu_kernels.prepacked_linear import float32_products
 from specd.engine.kv_cache import GrowingKVCache, croppable
+from specd.engine.llama_layers import decoder_layers, run_layers
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class Packer:
         self.model = model
         self.base_attention = base_attention  # sdpa or eager: what the model's config names
         self._inner = model.model
-        self._layers = list(model.model.layers[: model.config.num_hidden_layers])
+        self._layers = decoder_layers(model)
 
     def forward(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:
         """Every segment's logits ([num_logits, V] float32 each) and the forward's ms."""
@@ -132,17 +133,7 @@ class Packer:
         ids = torch.tensor([[t for s in segments for t in s.tokens]], dtype=torch.long, device=device)  # [1, T]
         positions = torch.tensor([[p for s in segments for p in _positions(s)]], device=device)  # [1, T]
         hidden = self._inner.embed_tokens(ids)  # [1, T, H]
-        position_embeddings = self._inner.rotary_emb(hidden, position_ids=positions)  # (cos, sin): [1, T, D]
-        for layer in self._layers:
-            hidden = layer(
-                hidden,
-                attention_mask=None,
-                position_embeddings=position_embeddings,
-                position_ids=positions,
-                past_key_values=batch,
-                use_cache=True,
-                **{_PACKED: batch},
-            )
+        hidden = run_layers(self.model, self._layers, hidden, positions, batch, **{_PACKED: batch})  # [1, T, H]
         rows = torch.tensor([i for (_, b), s in zip(batch.bounds, segments) for i in range(b - s.num_logits, b)], device=device)
         hidden = self._inner.norm(hidden[:, rows])  # [1, sum of num_logits, H]
         logits = self.model.lm_head(hidden)[0].float().cpu()  # [sum of num_logits, V]

@@ -52,7 +52,7 @@ class ServiceMetrics:
 
 
 class WorkerMetrics(ServiceMetrics):
-    """Target or draft worker: sessions held, time in model forwards, sessions per forward."""
+    """Target or draft worker: sessions held, time in model forwards, sessions per forward, its backend."""
 
     def __init__(self, role: str = "") -> None:
         super().__init__()
@@ -74,9 +74,18 @@ class WorkerMetrics(ServiceMetrics):
             buckets=_BATCH_SIZE_BUCKETS,
             registry=self.registry,
         )
+        self.backend_info = Gauge(
+            "specd_backend_info",
+            "1 for the device backend this worker runs and the fast paths its model took (comma-separated)",
+            ["role", "backend", "fast_paths"],
+            registry=self.registry,
+        )
 
     def track_sessions(self, count: Callable[[], int]) -> None:
         self.active_sessions.set_function(count)
+
+    def report_backend(self, backend: str, fast_paths) -> None:
+        self.backend_info.labels(role=self.role, backend=backend, fast_paths=",".join(fast_paths)).set(1)
 
     def observe_forward(self, op: str, forward_ms: float) -> None:
         self.forward_seconds.labels(op=op).observe(forward_ms / 1000.0)

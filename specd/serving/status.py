@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
 
 import grpc
@@ -57,3 +60,30 @@ async def abort_on_error(context: grpc.aio.ServicerContext, exc: BaseException):
         log.exception("unexpected error", exc_info=exc)
         mapped = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
     await context.abort(*mapped)
+
+
+def rpc_edge(method):
+    """An RPC method (unary, or a response stream) whose errors reach the caller as abort_on_error
+    maps them. Cancellation (asyncio.CancelledError, GeneratorExit) passes through as it is."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def streaming(self, request, context, *args):
+            try:
+                # Closed here when the call ends early: its own clean-up runs now, in this task.
+                async with contextlib.aclosing(method(self, request, context, *args)) as responses:
+                    async for response in responses:
+                        yield response
+            except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
+                await abort_on_error(context, exc)
+
+        return streaming
+
+    @functools.wraps(method)
+    async def unary(self, request, context, *args):
+        try:
+            return await method(self, request, context, *args)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
+            await abort_on_error(context, exc)
+
+    return unary

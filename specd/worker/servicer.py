@@ -9,7 +9,7 @@ from __future__ import annotations
 from specd.observability.telemetry import get_tracer
 from specd.serving.model_thread import ModelThread
 from specd.serving.retired_sessions import RetiredSessions
-from specd.serving.status import ModelLoading, abort_on_error
+from specd.serving.status import ModelLoading, rpc_edge
 from specd.wire.checks import check_committed, check_id_length, check_session_id
 
 
@@ -54,40 +54,35 @@ class WorkerServicer:
             if batch_size is not None:
                 self.metrics.observe_batch(op, batch_size)
 
+    @rpc_edge
     async def Prefill(self, request, context):
-        try:
-            runner = self._ready_runner()
-            self._check_open_session_id(request.session_id)
-            tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
-            cached, forward_ms = await self._thread.run(
-                runner.prefill, request.session_id, request.committed.start, tokens
-            )
-            self._observe("prefill", forward_ms)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status at the RPC edge
-            await abort_on_error(context, exc)
+        runner = self._ready_runner()
+        self._check_open_session_id(request.session_id)
+        tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
+        cached, forward_ms = await self._thread.run(runner.prefill, request.session_id, request.committed.start, tokens)
+        self._observe("prefill", forward_ms)
         return self.prefill_response(cached_tokens=cached, forward_ms=forward_ms)
 
+    @rpc_edge
     async def EndSession(self, request, context):
-        try:
-            runner = self._ready_runner()
-            # Only its length: ending a session id that never existed answers existed=False.
-            check_id_length(request.session_id, "session_id")
-            if request.retire_id:
-                self.retired.add(request.session_id)
-            self._forget(request.session_id)
-            existed = await self._thread.run(runner.end_session, request.session_id)
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
+        runner = self._ready_runner()
+        # Only its length: ending a session id that never existed answers existed=False.
+        check_id_length(request.session_id, "session_id")
+        if request.retire_id:
+            self.retired.add(request.session_id)
+        self._forget(request.session_id)
+        existed = await self._thread.run(runner.end_session, request.session_id)
         return self.end_session_response(existed=existed)
 
+    @rpc_edge
     async def Info(self, request, context):
-        try:
-            runner = self._ready_runner()
-        except Exception as exc:  # noqa: BLE001
-            await abort_on_error(context, exc)
+        runner = self._ready_runner()
         info = self._info(runner.loaded)
-        # The coordinator sizes its admission to this (coordinator/admission.py).
+        # The coordinator sizes its admission to this (coordinator/admission.py), and takes the
+        # tuned defaults of the target's backend (coordinator/profiles.py).
         info.max_sessions = runner.sessions.max_sessions
+        info.backend = runner.backend
+        info.fast_paths.extend(runner.fast_paths)
         return info
 
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from specd.core.fanout import acceptance_length_probs, allocate, expected_hit_rate
+from specd.core.fanout import acceptance_length_probs, allocate
 
+
+def expected_hit_rate(rate: float, fanout: list[int], r: float) -> float:
+    """The power-law model's hit rate: sum_k P(k) (1 - F_k^-r)."""
+    probs = acceptance_length_probs(rate, len(fanout) - 1)
+    return sum(p * (1.0 - f**-r) for p, f in zip(probs, fanout) if f > 0)
 
 def test_acceptance_length_probs_sum_to_one():
     for rate in (0.0, 0.3, 0.8, 1.0):

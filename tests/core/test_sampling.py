@@ -17,9 +17,9 @@ from specd.core.logits import (
     penalize_repeats,
     sample_from_probs,
     sparse_to_dense,
-    truncate_to_top,
 )
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse, sampling_problem
+from tests.distributions import truncate_to_top
 
 
 def _transformers_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:

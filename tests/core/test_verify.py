@@ -13,9 +13,10 @@ import pytest
 import scipy.stats
 import torch
 
-from specd.core.logits import logits_to_probs, sample_from_probs, sparse_to_dense, truncate_to_top
+from specd.core.logits import logits_to_probs, sample_from_probs, sparse_to_dense
 from specd.core.sampling import SamplingSettings
 from specd.core.verify import greedy_verify, rejection_sample
+from tests.distributions import truncate_to_top
 
 ALPHA = 1e-3
 ROUNDS = 100_000

@@ -26,7 +26,7 @@ import yaml
 
 from specd.cli import build_parser, main
 from specd.cli.serve import ROLES
-from specd.core.config import ENV_PREFIX, env_names, from_namespace
+from specd.core.config import ENV_PREFIX, env_name, from_namespace
 from specd.engine import default_pair, default_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -398,7 +398,7 @@ def test_every_env_var_is_one_the_services_read(docs):
     for name, _, container in specd_containers(docs):
         role = role_of(container)
         env = container_env(docs, container)
-        allowed = set(env_names(config_class(role))) | OTEL_VARS | RUNTIME_VARS
+        allowed = {env_name(f.name) for f in dataclasses.fields(config_class(role))} | OTEL_VARS | RUNTIME_VARS
         referenced = set(re.findall(r"\$\((\w+)\)", " ".join(v.get("value", "") for v in env.values())))
         for var, source in env.items():
             if var in allowed or (role == "target" and var.startswith(TARGET_PREFIXES)):

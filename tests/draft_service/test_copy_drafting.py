@@ -30,6 +30,7 @@ from tests.conftest import (
 )
 from tests.draft_service.test_speculation import _assert_branches_equal_proposals
 from tests.e2e.test_ssd_distribution import _pit
+from tests.runner_calls import draft_propose
 
 # 5 17 42 recurs: after it came 99, 7, 3, 250, so a greedy copy draft of 4 is exactly those.
 REPEATING = [5, 17, 42, 99, 7, 3, 250, 11, 8, 5, 17, 42]
@@ -156,16 +157,16 @@ def _runner(loaded, copy: CopyDrafting) -> DraftModelRunner:
 
 
 def test_greedy_propose_copies_the_earlier_continuation(loaded_draft):
-    copying = _runner(loaded_draft, CopyDrafting(3, 0.8)).propose("s", 0, REPEATING, 4, SamplingSettings(), 0)
+    copying = draft_propose(_runner(loaded_draft, CopyDrafting(3, 0.8)), "s", 0, REPEATING, 4, SamplingSettings(), 0)
     assert copying.draft_tokens == [99, 7, 3, 250]
-    plain = _runner(loaded_draft, OFF).propose("s", 0, REPEATING, 4, SamplingSettings(), 0)
+    plain = draft_propose(_runner(loaded_draft, OFF), "s", 0, REPEATING, 4, SamplingSettings(), 0)
     assert plain.draft_tokens != copying.draft_tokens  # the tiny draft alone drafts something else
 
 
 def test_sampled_propose_reports_the_mixed_q(loaded_draft):
     sampling = SamplingSettings(temperature=1.0, seed=3)
-    copying = _runner(loaded_draft, CopyDrafting(3, 0.8)).propose("s", 0, REPEATING, 1, sampling, 0)
-    plain = _runner(loaded_draft, OFF).propose("s", 0, REPEATING, 1, sampling, 0)
+    copying = draft_propose(_runner(loaded_draft, CopyDrafting(3, 0.8)), "s", 0, REPEATING, 1, sampling, 0)
+    plain = draft_propose(_runner(loaded_draft, OFF), "s", 0, REPEATING, 1, sampling, 0)
     q, mixed = plain.draft_dists[0], copying.draft_dists[0]
     expected = {t: 0.2 * p for t, p in zip(q.token_ids, q.probs)}
     expected[99] = expected.get(99, 0.0) + 0.8

@@ -7,6 +7,7 @@ import torch
 from draft_service.config import DraftConfig
 from draft_service.server import load_runner
 from specd.core.sampling import SamplingSettings
+from tests.runner_calls import draft_propose
 from tests.tiny_models import build_llama, build_tokenizer
 
 
@@ -22,6 +23,6 @@ def test_padded_embedding_rows_are_never_proposed(tmp_path):
     assert runner.loaded.vocab_size == len(tokenizer)
     prompt = tokenizer.encode("def add(a, b):")
     for sampling in (SamplingSettings(temperature=0.0), SamplingSettings(temperature=1.0, seed=7)):
-        proposal = runner.propose(f"s-{sampling.temperature}", 0, prompt, 6, sampling, 64)
+        proposal = draft_propose(runner, f"s-{sampling.temperature}", 0, prompt, 6, sampling, 64)
         assert all(0 <= t < len(tokenizer) for t in proposal.draft_tokens)
         assert all(i < len(tokenizer) for dist in proposal.draft_dists for i in dist.token_ids)

@@ -16,6 +16,7 @@ from draft_service.speculation import SpeculationCancelled
 from specd.core.sampling import SamplingSettings
 from specd.engine.loading import load_causal_lm
 from specd.engine.session_cache import SessionStore
+from tests.runner_calls import draft_propose, draft_speculate
 from tests.tiny_models import build_tokenizer
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -85,7 +86,7 @@ def test_proposals_apply_the_repetition_penalty_as_transformers_does(runner, tin
                                 do_sample=False, max_new_tokens=12, repetition_penalty=penalty, pad_token_id=0)
         wanted[penalty] = output[0, len(prompt):].tolist()
         _fresh(runner, "penalised", prompt)
-        proposal = runner.propose("penalised", 0, prompt, 12, SamplingSettings(repetition_penalty=penalty), 0)
+        proposal = draft_propose(runner, "penalised", 0, prompt, 12, SamplingSettings(repetition_penalty=penalty), 0)
         assert proposal.draft_tokens == wanted[penalty], penalty
     assert wanted[1.8] != wanted[1.0], "the penalty changed nothing here: the test would pass with it ignored"
 
@@ -97,9 +98,9 @@ def _assert_branches_equal_proposals(
         temperature=temperature, top_p=0.9 if temperature else 1.0, seed=1234, repetition_penalty=repetition_penalty
     )
     _fresh(runner, "tree", prompt)
-    drafts = runner.propose("tree", 0, prompt, num_draft, sampling, 0).draft_tokens if num_draft else []
+    drafts = draft_propose(runner, "tree", 0, prompt, num_draft, sampling, 0).draft_tokens if num_draft else []
     fanout = [2] * num_draft + [3]
-    result = runner.speculate("tree", 0, prompt, drafts, num_tokens, fanout, sampling, 0, 1.0, [], threading.Event())
+    result = draft_speculate(runner, "tree", 0, prompt, drafts, num_tokens, fanout, sampling, 0, 1.0, [], threading.Event())
     assert len(result.branches) == sum(fanout)
     # The tree is gone: the session caches exactly committed + d_1..d_K.
     session = runner.sessions.open("tree", 0)
@@ -111,7 +112,7 @@ def _assert_branches_equal_proposals(
             assert branch.next_token != drafts[k], "a drafted token is never the recovered token"
         history = prompt + drafts[:k] + [branch.next_token]
         _fresh(runner, "plain", history)
-        plain = runner.propose("plain", 0, history, num_tokens, sampling, 0)
+        plain = draft_propose(runner, "plain", 0, history, num_tokens, sampling, 0)
         assert branch.draft_tokens == plain.draft_tokens, (k, branch.next_token)
         for tree_q, plain_q in zip(branch.draft_dists, plain.draft_dists):
             assert tree_q.token_ids[:8] == plain_q.token_ids[:8]
@@ -129,19 +130,19 @@ def test_session_continues_after_a_build(runner):
     """After a build, syncing to the winning branch's history and drafting again is plain drafting."""
     sampling = SamplingSettings(temperature=0.0)
     _fresh(runner, "cont", PROMPT)
-    drafts = runner.propose("cont", 0, PROMPT, 4, sampling, 0).draft_tokens
-    result = runner.speculate("cont", 0, PROMPT, drafts, 4, [1, 1, 1, 1, 2], sampling, 0, 1.0, [], threading.Event())
+    drafts = draft_propose(runner, "cont", 0, PROMPT, 4, sampling, 0).draft_tokens
+    result = draft_speculate(runner, "cont", 0, PROMPT, drafts, 4, [1, 1, 1, 1, 2], sampling, 0, 1.0, [], threading.Event())
     branch = next(b for b in result.branches if b.accepted == 2)
     history = PROMPT + drafts[:2] + [branch.next_token]
-    again = runner.propose("cont", len(PROMPT), history[len(PROMPT):], 4, sampling, 0)
+    again = draft_propose(runner, "cont", len(PROMPT), history[len(PROMPT):], 4, sampling, 0)
     assert again.draft_tokens == branch.draft_tokens
 
 
 def test_zero_budget_builds_nothing_and_keeps_the_session_in_step(runner):
     sampling = SamplingSettings(temperature=0.0)
     _fresh(runner, "zero", PROMPT)
-    drafts = runner.propose("zero", 0, PROMPT, 3, sampling, 0).draft_tokens
-    result = runner.speculate("zero", 0, PROMPT, drafts, 3, [0, 0, 0, 0], sampling, 0, 1.0, [], threading.Event())
+    drafts = draft_propose(runner, "zero", 0, PROMPT, 3, sampling, 0).draft_tokens
+    result = draft_speculate(runner, "zero", 0, PROMPT, drafts, 3, [0, 0, 0, 0], sampling, 0, 1.0, [], threading.Event())
     assert result.branches == []
     assert runner.sessions.open("zero", 0).cached_tokens == PROMPT + drafts
 
@@ -152,7 +153,7 @@ def test_cancel_stops_the_build_and_restores_the_cache(runner):
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(SpeculationCancelled):
-        runner.speculate("cancel", 0, PROMPT, [1, 2], 4, [2, 2, 2], sampling, 0, 1.0, [], cancel)
+        draft_speculate(runner, "cancel", 0, PROMPT, [1, 2], 4, [2, 2, 2], sampling, 0, 1.0, [], cancel)
     session = runner.sessions.open("cancel", 0)
     assert session.cache.get_seq_length() == len(session.cached_tokens) == len(PROMPT) + 2
 
@@ -160,8 +161,8 @@ def test_cancel_stops_the_build_and_restores_the_cache(runner):
 def test_saguaro_reshapes_the_branch_distributions(runner):
     sampling = SamplingSettings(temperature=1.0, seed=7)
     _fresh(runner, "sag", PROMPT)
-    plain = runner.speculate("sag", 0, PROMPT, [], 2, [2], sampling, 0, 1.0, [], threading.Event())
-    shaped = runner.speculate("sag", 0, PROMPT, [], 2, [2], sampling, 0, 0.25, [3, 3], threading.Event())
+    plain = draft_speculate(runner, "sag", 0, PROMPT, [], 2, [2], sampling, 0, 1.0, [], threading.Event())
+    shaped = draft_speculate(runner, "sag", 0, PROMPT, [], 2, [2], sampling, 0, 0.25, [3, 3], threading.Event())
     for a, b in zip(plain.branches, shaped.branches):
         q, q_prime = a.draft_dists[0], b.draft_dists[0]
         assert q.token_ids == q_prime.token_ids
@@ -182,7 +183,8 @@ def test_saguaro_reshapes_the_branch_distributions(runner):
 def test_batched_draft_distributions_equal_the_reference_processing(settings):
     """The draft's batched top-N q equals the target's processing followed by truncate_to_top."""
     from draft_service.speculation import draft_distributions
-    from specd.core.logits import logits_to_probs, truncate_to_top
+    from specd.core.logits import logits_to_probs
+    from tests.distributions import truncate_to_top
 
     logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(2)) * 3  # [R, V]
     for row, dist in enumerate(draft_distributions(logits, settings, 64, 1.0, 0)):

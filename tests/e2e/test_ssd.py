@@ -2,7 +2,7 @@
 backups, for the tiny models (the default pair: tests/e2e/test_default_pair.py), cache statistics,
 and a seeded sampled run with Saguaro sampling.
 
-Greedy output must equal the target decoding alone (DESIGN.md), except at a near-tie that the
+Greedy output must equal the target decoding alone (the exactness contract, README), except at a near-tie that the
 test shows (the target's top-2 logit gap below 1e-4 at the first divergence).
 """
 

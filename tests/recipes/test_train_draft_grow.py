@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
 
+import draft_stages  # noqa: E402
 import train_draft  # noqa: E402
 
 from tests.small_drafts import moved_small_draft  # noqa: E402
@@ -35,8 +36,8 @@ def grown(trained):
     """The trained draft grown by two layers, before any training step."""
     args, vocab, draft = trained
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_draft, "distill", lambda args, grown, *rest, **kwargs: grown.eval())
-        return train_draft.stage_grow(args, [], vocab, draft)
+        patch.setattr(draft_stages, "distill", lambda args, grown, *rest, **kwargs: grown.eval())
+        return draft_stages.stage_grow(args, [], vocab, draft)
 
 
 def test_the_grown_draft_starts_out_as_the_trained_one(trained, grown):

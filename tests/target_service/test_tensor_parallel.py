@@ -37,6 +37,7 @@ from specd.v1 import coordinator_pb2 as pb
 from target_service.config import TargetConfig
 from target_service.runner import PrefillCall, VerifyCall
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, load_reference, request
+from tests.runner_calls import target_prefill, target_verify
 from tests.stack import ServiceStack
 
 RTOL = 1e-4  # logits: max |tp - single| <= RTOL * max |single|, per forward
@@ -61,24 +62,24 @@ def _runner_script(runner) -> None:
     """The same calls on any runner: prefill, verifies that reject (rollback), expiry, re-prefill."""
     greedy = SamplingSettings(temperature=0.0)
     prompt = [5, 17, 42, 99, 7, 3, 11]
-    runner.prefill("a", 0, prompt)
+    target_prefill(runner, "a", 0, prompt)
     # A draft of tokens the target surely rejects at position 2: the cache rolls back to prompt + 2.
-    first = runner.verify("a", 0, prompt, [8, 9, 10, 11], [], greedy, True)
+    first = target_verify(runner, "a", 0, prompt, [8, 9, 10, 11], [], greedy, True)
     committed = prompt + [8, 9, 10, 11][: first.accepted] + [first.next_token]
-    second = runner.verify("a", len(prompt), committed[len(prompt):], [1, 2, 3], [], greedy, True)
+    second = target_verify(runner, "a", len(prompt), committed[len(prompt):], [1, 2, 3], [], greedy, True)
     committed += [1, 2, 3][: second.accepted] + [second.next_token]
     # Sampled: the draft distributions and settings travel to rank 1 too; keyed uniforms agree.
     sampled = SamplingSettings(temperature=0.9, top_k=50, top_p=0.95, seed=11)
     dists = [SparseDist([1, 2, 3], [0.5, 0.3, 0.2]), SparseDist([4, 5], [0.6, 0.4])]
-    third = runner.verify("a", len(committed) - 1, committed[-1:], [2, 5], dists, sampled, True)
+    third = target_verify(runner, "a", len(committed) - 1, committed[-1:], [2, 5], dists, sampled, True)
     committed += [2, 5][: third.accepted] + [third.next_token]
-    runner.verify("a", 0, committed[:4], [6, 6], [], greedy, False)  # the coordinator resends a shorter history
-    runner.prefill("b", 0, [4, 4, 4, 4])
+    target_verify(runner, "a", 0, committed[:4], [6, 6], [], greedy, False)  # the coordinator resends a shorter history
+    target_prefill(runner, "b", 0, [4, 4, 4, 4])
     time.sleep(2.0)  # both sessions idle past the 1 s session timeout, and past the collective timeout ...
-    runner.prefill("c", 0, [9, 8, 7, 6, 5])  # ... then "c" comes: only "a" and "b" expire
+    target_prefill(runner, "c", 0, [9, 8, 7, 6, 5])  # ... then "c" comes: only "a" and "b" expire
     assert sorted(runner.expire_idle()) == ["a", "b"]
-    runner.prefill("a", 0, committed)  # a fresh "a" on every rank
-    last = runner.verify("a", len(committed) - 1, committed[-1:], [2, 2, 2], [], greedy, True)
+    target_prefill(runner, "a", 0, committed)  # a fresh "a" on every rank
+    last = target_verify(runner, "a", len(committed) - 1, committed[-1:], [2, 2, 2], [], greedy, True)
     committed += [2, 2, 2][: last.accepted] + [last.next_token]
     # Two verifies and a prefill of three sessions in one packed forward, on every rank alike
     # (the sessions' cached tokens, compared below, follow each verify's outcome).
