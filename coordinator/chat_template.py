@@ -76,6 +76,8 @@ def _strftime_now(format: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def compile_template(source: str) -> jinja2.Template:
+    if tuple(int(part) for part in jinja2.__version__.split(".")[:3] if part.isdigit()) < (3, 1, 6):
+        raise ImportError(f"jinja2 {jinja2.__version__} has known sandbox escapes; chat templates need jinja2>=3.1.6")
     environment = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
@@ -88,4 +90,6 @@ def compile_template(source: str) -> jinja2.Template:
 
 def render_chat(source: str, messages: list[dict[str, str]], variables: dict) -> str:
     """The conversation as the template writes it, ending in the prompt for the assistant's reply."""
-    return compile_template(source).render(messages=messages, add_generation_prompt=True, **variables)
+    # tools and documents as transformers passes them when a request has none: None, not undefined
+    # (`tools is not none` is true of an undefined name).
+    return compile_template(source).render(messages=messages, add_generation_prompt=True, tools=None, documents=None, **variables)

@@ -23,7 +23,9 @@ class CoordinatorConfig:
     metrics_port: int = setting(9401, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
     target_address: str = setting("localhost:50052", "target worker HOST:PORT")
     draft_address: str = setting("localhost:50053", "draft worker HOST:PORT (empty: target-only)")
-    tokenizer: str = setting("", "tokenizer folder or hub id (empty: the target worker's model)")
+    tokenizer: str = setting(
+        "", "tokenizer folder or hub id, checked against the target's own (empty: the tokenizer the target worker sends in its Info)"
+    )
     default_mode: str = setting(AUTO, "speculation mode when a request says auto", choices=MODES)
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     num_speculative_tokens: int = setting(

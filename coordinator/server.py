@@ -24,7 +24,7 @@ from specd.observability.telemetry import client_interceptors as traced_client_i
 from specd.serving.server import NOT_SERVING, SERVING, RunningService, create_server
 from specd.serving.tls import channel_credentials, server_credentials
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specd.wire.convert import sampling_from_proto, tokenizer_spec_from_proto
+from specd.wire.convert import sampling_from_proto, tokenizer_probes_from_proto, tokenizer_spec_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def coordinator_tokenizer(config: CoordinatorConfig, info) -> Tokenizer:
     """The target worker's tokenizer (or --tokenizer's), once it is known to tokenise as the target does."""
     if config.tokenizer:
         tokenizer, source = Tokenizer.from_files(config.tokenizer), repr(config.tokenizer)
-    elif info.HasField("tokenizer"):
+    elif info.HasField("tokenizer") and info.tokenizer.tokenizer_json:
         tokenizer, source = Tokenizer(tokenizer_spec_from_proto(info.tokenizer)), "the target worker's"
     else:
         raise TokenizerMismatch(f"the target worker ({info.model!r}) sends no tokenizer; point --tokenizer at its model folder")
@@ -62,7 +62,9 @@ def coordinator_tokenizer(config: CoordinatorConfig, info) -> Tokenizer:
             f"the coordinator's tokenizer {source} differs from the target worker's ({info.model!r}); "
             "point --tokenizer at the target model"
         )
-    mismatches = tokenizer.probe_mismatches()
+    # The target's own probes, whichever tokenizer the coordinator uses (--tokenizer's files may
+    # lack what transformers sets up at load, such as the special tokens it adds).
+    mismatches = tokenizer.probe_mismatches(tokenizer_probes_from_proto(info.tokenizer.probes))
     if mismatches:
         raise TokenizerMismatch(f"the coordinator does not tokenise as the target worker ({info.model!r}) does: " + "; ".join(mismatches))
     return tokenizer

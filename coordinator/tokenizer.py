@@ -14,7 +14,7 @@ import pathlib
 from tokenizers import Tokenizer as FastTokenizer
 
 from coordinator.chat_template import render_chat
-from specd.core.tokenizer_spec import TokenizerSpec, fingerprint
+from specd.core.tokenizer_spec import TokenizerProbe, TokenizerSpec, fingerprint
 
 # transformers' clean-up of decoded text (for WordPiece-style tokenizers that ask for it).
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
@@ -29,6 +29,7 @@ class Tokenizer:
         self._backend = FastTokenizer.from_str(spec.tokenizer_json)
         self._backend.no_padding()
         self._backend.no_truncation()
+        self._backend.encode_special_tokens = spec.split_special_tokens
         self.chat_template = spec.chat_template or None
 
     @classmethod
@@ -40,9 +41,11 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {name}: --tokenizer takes a folder holding a fast tokenizer")
         config = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
         template = config.get("chat_template") or ""
+        if isinstance(template, list):  # named templates: the one apply_chat_template takes by default
+            template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
-        variables = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        variables = {k: _token_text(v) for k, v in config.items() if k.endswith("_token") and _token_text(v)}
         return cls(TokenizerSpec((path / "tokenizer.json").read_text(), template if isinstance(template, str) else "", variables))
 
     def __len__(self) -> int:
@@ -74,10 +77,11 @@ class Tokenizer:
         """The rendered chat's token ids (the template writes its special tokens itself)."""
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
-    def probe_mismatches(self) -> list[str]:
-        """The worker's probes this tokenizer does not reproduce (none: it tokenises as the worker does)."""
+    def probe_mismatches(self, probes: tuple[TokenizerProbe, ...] | None = None) -> list[str]:
+        """The probes (the worker's, by default this spec's own) this tokenizer does not reproduce:
+        their ids, and those ids decoded. None: it tokenises as the worker does."""
         wrong = []
-        for probe in self.spec.probes:
+        for probe in self.spec.probes if probes is None else probes:
             if probe.chat:
                 what = f"the chat {[role for role, _ in probe.chat]}"
                 try:
@@ -89,7 +93,15 @@ class Tokenizer:
                 what, ids = f"the text {probe.text!r}", self.encode(probe.text)
             if tuple(ids) != probe.token_ids:
                 wrong.append(f"{what}: {list(probe.token_ids)[:12]} on the worker, {ids[:12]} here")
+            elif probe.decoded and self.decode(list(probe.token_ids)) != probe.decoded:
+                wrong.append(f"{what}: decodes to {probe.decoded!r} on the worker, {self.decode(list(probe.token_ids))!r} here")
         return wrong
+
+def _token_text(value) -> str:
+    """A special token as tokenizer_config.json stores it: a string, or an added token's {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content", "")
+    return value if isinstance(value, str) else ""
 
 
 _FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

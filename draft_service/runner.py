@@ -31,11 +31,12 @@ class Proposal:
 class DraftModelRunner:
     def __init__(
         self, loaded: LoadedModel, sessions: SessionStore, max_support: int, copy: CopyDrafting = OFF, backend: str = "cpu",
-        fast_paths: tuple[str, ...] = (),
+        fast_paths: tuple[str, ...] = (), lean: bool = True,
     ):
         self.loaded = loaded
         self.copy = copy
-        self.model = lean_or_plain(loaded.model)  # a draft's forwards are mostly per-call overhead
+        # A small draft's forwards are mostly per-call overhead on a CPU: its backend says lean.
+        self.model = lean_or_plain(loaded.model) if lean else loaded.model
         self.packer = enable_packing(loaded.model)  # None: one session per forward
         self.sessions = sessions
         self.max_support = max_support

@@ -23,7 +23,8 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
     prepared = load_prepared("draft", config, halved=config.few_row_bf16, adjust=_drop_padded_rows)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return DraftModelRunner(
-        prepared.loaded, sessions, config.max_support, config.copy_drafting(), backend=prepared.backend, fast_paths=prepared.fast_paths
+        prepared.loaded, sessions, config.max_support, config.copy_drafting(), backend=prepared.backend,
+        fast_paths=prepared.fast_paths, lean=prepared.lean_forward,
     )
 
 

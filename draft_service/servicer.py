@@ -71,8 +71,8 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
         if self.metrics is not None:
             self.metrics.observe_batch("step", batch_size)
 
-    def _info(self, loaded) -> draft_pb2.DraftInfo:
-        return draft_pb2.DraftInfo(**common_info(loaded))
+    def _info(self, runner) -> draft_pb2.DraftInfo:
+        return draft_pb2.DraftInfo(**common_info(runner.loaded))
 
     async def _traced(self, name: str, call, result_attributes, **attributes):
         """Await a model call inside a worker span (spec_propose, spec_speculate); the span

@@ -21,6 +21,7 @@ import torch
 
 from specd.core.logits import keyed_uniforms, logits_to_probs, penalize_repeats, sparse_to_dense
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist
+from specd.core.tokenizer_spec import TokenizerSpec
 from specd.core.verify import greedy_verify, rejection_sample
 from specd.engine.batcher import AGAIN, Again
 from specd.engine.forward import forward_logits
@@ -106,9 +107,10 @@ class _Synced:
 class TargetModelRunner:
     def __init__(
         self, loaded: LoadedModel, sessions: SessionStore, pack: bool = True, prefill_chunk: int = 0, backend: str = "cpu",
-        fast_paths: tuple[str, ...] = (),
+        fast_paths: tuple[str, ...] = (), tokenizer_spec: TokenizerSpec | None = None,
     ):
         self.loaded = loaded
+        self.tokenizer_spec = tokenizer_spec  # what the coordinator tokenises with (its Info); None: not exportable
         self.sessions = sessions
         self._packer = enable_packing(loaded.model) if pack else None  # None: one session per forward
         self.backend = backend  # the device backend the model runs on, and the fast paths it took

@@ -10,11 +10,10 @@ import time
 from specd.core.errors import InvalidRequest, SessionNotFound
 from specd.core.outcomes import outcome_of
 from specd.engine.batcher import Again, Batcher
-from specd.engine.tokenizer_export import export_tokenizer
 from specd.observability.telemetry import set_specd, worker_span
 from specd.serving.model_thread import ModelThread
 from specd.serving.status import rpc_edge
-from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specd.v1 import target_pb2, target_pb2_grpc
 from specd.wire.checks import check_committed, check_token_ids
 from specd.wire.convert import sampling_from_proto, sampling_to_proto, sparse_from_proto, tokenizer_spec_to_proto
 from specd.wire.outcomes import choices_by_outcome
@@ -63,17 +62,15 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         # (VerifyAfter) joins the batch right after the verify it follows.
         self._batcher = Batcher(thread.submit, self._run_batch, lambda item: item.session_id, max_batch_size, batch_wait_ms / 1000.0)
         self._outcomes = VerifyOutcomes(self._batcher.enqueue)
-        self._tokenizer: common_pb2.TokenizerSpec | None = None
 
-    def _info(self, loaded) -> target_pb2.TargetInfo:
-        if self._tokenizer is None:  # exported once: the coordinator tokenises with it
-            self._tokenizer = tokenizer_spec_to_proto(export_tokenizer(loaded.tokenizer))
+    def _info(self, runner) -> target_pb2.TargetInfo:
+        loaded, spec = runner.loaded, runner.tokenizer_spec
         return target_pb2.TargetInfo(
             **common_info(loaded),
             eos_token_ids=list(loaded.eos_token_ids),
             default_sampling=sampling_to_proto(loaded.default_sampling),
             tensor_parallel=self._tensor_parallel,
-            tokenizer=self._tokenizer,
+            tokenizer=tokenizer_spec_to_proto(spec) if spec is not None else None,  # the coordinator tokenises with it
         )
 
     def _forget(self, session_id: str) -> None:

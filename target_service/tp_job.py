@@ -23,6 +23,7 @@ from specd.engine.backends import backend_for
 from specd.engine.forward import warm_up
 from specd.engine.loading import load_causal_lm
 from specd.engine.session_cache import SessionStore
+from specd.engine.tokenizer_export import export_tokenizer_or_none
 from target_service.config import TargetConfig
 from target_service.runner import TargetModelRunner
 
@@ -174,4 +175,5 @@ def load_local_runner(config: TargetConfig, job: Job) -> TargetModelRunner:
     dist.barrier(group=job.command_group)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     # Sharded weights are not plain tensors: the backend's fast paths do not apply to them.
-    return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=backend.name)
+    spec = export_tokenizer_or_none(loaded.tokenizer) if job.rank == 0 else None  # rank 0 answers Info
+    return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=backend.name, tokenizer_spec=spec)

@@ -53,6 +53,10 @@ class TensorParallelTargetRunner:
         return self.local.backend
 
     @property
+    def tokenizer_spec(self):
+        return self.local.tokenizer_spec
+
+    @property
     def fast_paths(self) -> tuple[str, ...]:
         return self.local.fast_paths
 

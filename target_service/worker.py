@@ -6,6 +6,7 @@ from typing import Callable
 
 from specd.core.config import ConfigError
 from specd.engine.session_cache import SessionStore
+from specd.engine.tokenizer_export import export_tokenizer_or_none
 from specd.serving.server import RunningService
 from specd.v1 import target_pb2, target_pb2_grpc
 from specd.worker.loading import load_prepared
@@ -25,7 +26,8 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     prepared = load_prepared("target", config)
     sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
     return TargetModelRunner(
-        prepared.loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=prepared.backend, fast_paths=prepared.fast_paths
+        prepared.loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=prepared.backend,
+        fast_paths=prepared.fast_paths, tokenizer_spec=export_tokenizer_or_none(prepared.loaded.tokenizer),
     )
 
 

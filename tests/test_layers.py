@@ -40,10 +40,13 @@ ALLOWED = {
     "draft_service": BELOW_WORKERS,
     "target_service": BELOW_WORKERS,
     "coordinator": {CORE, V1, WIRE, OBSERVABILITY, SERVING},
+    # The top: what nothing below may import.
+    "specd.cli": {CORE, V1, WIRE, OBSERVABILITY, SERVING, ENGINE, WORKER, "coordinator", "draft_service", "target_service", "benchmarks"},
+    "benchmarks": {CORE, V1, WIRE, OBSERVABILITY, SERVING, ENGINE, WORKER, "coordinator", "draft_service", "target_service", "specd.cli"},
 }
 # Modules that must load without torch and transformers (the plain types, the wire, the plumbing).
-TORCH_FREE = (CORE + ".sampling", CORE + ".outcomes", CORE + ".errors", CORE + ".config", CORE + ".fanout", WIRE, SERVING,
-              OBSERVABILITY)
+TORCH_FREE = (CORE + ".sampling", CORE + ".outcomes", CORE + ".errors", CORE + ".config", CORE + ".fanout",
+              CORE + ".context_match", CORE + ".tokenizer_spec", WIRE, SERVING, OBSERVABILITY, "coordinator")
 
 
 def layer_of(module: str) -> str | None:
@@ -68,7 +71,8 @@ def imports(path: pathlib.Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import; write the module's full name"
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
@@ -86,6 +90,18 @@ def test_imports_point_down():
             if target is not None and target != layer and target not in ALLOWED[layer] and imported in known:
                 wrong.append(f"{name} ({layer}) imports {imported} ({target})")
     assert not wrong, "imports that point the wrong way:\n" + "\n".join(wrong)
+
+
+def test_core_is_plain_math():
+    """The core imports no gRPC and no model library: its math runs wherever its types do."""
+    wrong = [
+        f"{name} imports {imported}"
+        for name, path in sorted(modules().items())
+        if layer_of(name) == CORE
+        for imported in sorted(imports(path))
+        if imported.split(".")[0] in ("grpc", "grpc_health", "transformers", "opentelemetry", "prometheus_client")
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -87,27 +87,30 @@ ADDRESS_SKIPS = {
 }
 
 
+def benchmarks_on_path() -> bool:
+    """`specd bench` runs the benchmarks of the checkout it is installed from (benchmarks/ beside
+    specd/, not an installed package): put that folder's parent on the path. False if there is none."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "bench.py").is_file():
+        return False
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    if not benchmarks_on_path():
+        print("specd bench: it runs from a checkout of specd (benchmarks/ beside specd/); install specd with "
+              "`pip install -e .` from one", file=sys.stderr)
+        return 2
     from benchmarks import bench
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in bench.ALL_MODES]
-    if unknown:
-        print(f"specd bench: unknown modes {unknown}; choose from {', '.join(bench.ALL_MODES)}", file=sys.stderr)
-        return 2
-    from benchmarks import bench_concurrency
-
     try:
-        levels = bench_concurrency.parse_levels(args.concurrency) if args.concurrency is not None else []
+        modes, levels, prompts = _inputs(args)
     except ValueError as exc:
         print(f"specd bench: {exc}", file=sys.stderr)
-        return 2
-    try:
-        prompts = load_prompts(args.prompts, args.num_prompts)
-    except (OSError, ValueError) as exc:  # ValueError: not the JSON list of prompts it must be
-        print(f"specd bench: --prompts: {exc}", file=sys.stderr)
         return 2
     skipped = {m: reason for m, reason in ADDRESS_SKIPS.items() if args.address and m in modes}
     modes = [m for m in modes if m not in skipped]
@@ -146,6 +149,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json_path:
         bench.to_json(summary, args.json_path)
     return 0
+
+
+def _inputs(args: argparse.Namespace) -> tuple[list[str], list[int], list[str]]:
+    """The modes, concurrency levels and prompts the flags ask for; ValueError says which flag is wrong."""
+    from benchmarks import bench, bench_concurrency
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in bench.ALL_MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; choose from {', '.join(bench.ALL_MODES)}")
+    levels = bench_concurrency.parse_levels(args.concurrency) if args.concurrency is not None else []
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts)
+    except (OSError, ValueError) as exc:  # ValueError: not the JSON list of prompts it must be
+        raise ValueError(f"--prompts: {exc}") from None
+    return modes, levels, prompts
 
 
 def start_traced_stacks(args, stacks: list, traced_addresses: dict[str, str]):

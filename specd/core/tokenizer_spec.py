@@ -22,6 +22,7 @@ class TokenizerProbe:
     token_ids: tuple[int, ...]
     text: str = ""
     chat: tuple[tuple[str, str], ...] = ()  # (role, content) of each message
+    decoded: str = ""  # token_ids decoded by the worker, special tokens skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class TokenizerSpec:
     template_variables: Mapping[str, object] = dataclasses.field(default_factory=dict)  # bos_token, eos_token, ...
     clean_up_tokenization_spaces: bool = False  # decoding drops the space before punctuation
     probes: tuple[TokenizerProbe, ...] = ()
+    split_special_tokens: bool = False  # special-token strings in a text are split like any text
 
 
 def fingerprint(vocab: Mapping[str, int]) -> str:

@@ -37,25 +37,29 @@ class CommittedTokens(_message.Message):
     def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizerSpec(_message.Message):
-    __slots__ = ("tokenizer_json", "chat_template", "template_variables_json", "clean_up_tokenization_spaces", "probes")
+    __slots__ = ("tokenizer_json", "chat_template", "template_variables_json", "clean_up_tokenization_spaces", "probes", "split_special_tokens")
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_VARIABLES_JSON_FIELD_NUMBER: _ClassVar[int]
     CLEAN_UP_TOKENIZATION_SPACES_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokenizer_json: str
     chat_template: str
     template_variables_json: str
     clean_up_tokenization_spaces: bool
     probes: _containers.RepeatedCompositeFieldContainer[TokenizerProbe]
-    def __init__(self, tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., template_variables_json: _Optional[str] = ..., clean_up_tokenization_spaces: _Optional[bool] = ..., probes: _Optional[_Iterable[_Union[TokenizerProbe, _Mapping]]] = ...) -> None: ...
+    split_special_tokens: bool
+    def __init__(self, tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., template_variables_json: _Optional[str] = ..., clean_up_tokenization_spaces: _Optional[bool] = ..., probes: _Optional[_Iterable[_Union[TokenizerProbe, _Mapping]]] = ..., split_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TokenizerProbe(_message.Message):
-    __slots__ = ("text", "chat_json", "token_ids")
+    __slots__ = ("text", "chat_json", "token_ids", "decoded")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_JSON_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat_json: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., chat_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    decoded: str
+    def __init__(self, text: _Optional[str] = ..., chat_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., decoded: _Optional[str] = ...) -> None: ...

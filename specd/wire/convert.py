@@ -76,25 +76,32 @@ def tokenizer_spec_to_proto(spec: TokenizerSpec) -> common_pb2.TokenizerSpec:
                 text=probe.text,
                 chat_json=json.dumps([{"role": r, "content": c} for r, c in probe.chat], ensure_ascii=False) if probe.chat else "",
                 token_ids=probe.token_ids,
+                decoded=probe.decoded,
             )
             for probe in spec.probes
         ],
+        split_special_tokens=spec.split_special_tokens,
     )
 
 
 def tokenizer_spec_from_proto(message: common_pb2.TokenizerSpec) -> TokenizerSpec:
-    probes = tuple(
-        TokenizerProbe(
-            tuple(probe.token_ids),
-            text=probe.text,
-            chat=tuple((m["role"], m["content"]) for m in json.loads(probe.chat_json)) if probe.chat_json else (),
-        )
-        for probe in message.probes
-    )
     return TokenizerSpec(
         tokenizer_json=message.tokenizer_json,
         chat_template=message.chat_template,
         template_variables=json.loads(message.template_variables_json or "{}"),
         clean_up_tokenization_spaces=message.clean_up_tokenization_spaces,
-        probes=probes,
+        probes=tokenizer_probes_from_proto(message.probes),
+        split_special_tokens=message.split_special_tokens,
+    )
+
+
+def tokenizer_probes_from_proto(messages: Iterable[common_pb2.TokenizerProbe]) -> tuple[TokenizerProbe, ...]:
+    return tuple(
+        TokenizerProbe(
+            tuple(probe.token_ids),
+            text=probe.text,
+            chat=tuple((m["role"], m["content"]) for m in json.loads(probe.chat_json)) if probe.chat_json else (),
+            decoded=probe.decoded,
+        )
+        for probe in messages
     )

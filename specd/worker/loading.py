@@ -19,6 +19,7 @@ class PreparedModel:
     loaded: LoadedModel
     backend: str  # cpu or cuda: the backend the worker runs
     fast_paths: tuple[str, ...]  # the backend's fast paths the model took
+    lean_forward: bool  # a draft runs its forwards through specd's lean Llama loop
 
 
 def load_prepared(
@@ -35,4 +36,4 @@ def load_prepared(
     fast_paths = tuple(backend.prepare(loaded.model, options))
     warm_up(loaded.model)
     log.info("%s worker on the %s backend (%s); fast paths: %s", role, backend.name, backend.device, ", ".join(fast_paths) or "none")
-    return PreparedModel(loaded, backend.name, fast_paths)
+    return PreparedModel(loaded, backend.name, fast_paths, backend.lean_forward)

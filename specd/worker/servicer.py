@@ -27,8 +27,8 @@ class WorkerServicer:
     prefill_response: type
     end_session_response: type
 
-    def _info(self, loaded):
-        """The worker's Info message for the loaded model; common_info(loaded) holds the shared fields."""
+    def _info(self, runner):
+        """The worker's Info message for the loaded runner; common_info(runner.loaded) holds the shared fields."""
         raise NotImplementedError
 
     def _forget(self, session_id: str) -> None:
@@ -77,7 +77,7 @@ class WorkerServicer:
     @rpc_edge
     async def Info(self, request, context):
         runner = self._ready_runner()
-        info = self._info(runner.loaded)
+        info = self._info(runner)
         # The coordinator sizes its admission to this (coordinator/admission.py), and takes the
         # tuned defaults of the target's backend (coordinator/profiles.py).
         info.max_sessions = runner.sessions.max_sessions

@@ -27,13 +27,26 @@ def test_the_device_picks_the_backend():
     assert type(other) is Backend and other.name == "meta" and other.prepare(None, FastPathOptions()) == []
 
 
-def test_the_cpu_backend_takes_the_fast_paths_that_fit():
+def test_the_cpu_backend_takes_the_fast_paths_that_fit(one_thread):
     model = build_llama(96, seed=3, hidden=32, layers=2)  # 4 query heads on 2 key/value heads
     taken = CpuBackend("cpu").prepare(model, FastPathOptions())
     assert taken[0] == "prepacked_linear" and "grouped_attention" in taken
     assert ("few_row_kernel" in taken) == (small_rows_kernel.load_checked() is not None)
     assert "few_row_bf16" not in taken  # never for a target: only a draft asks for halved copies
+    draft = CpuBackend("cpu").prepare(build_llama(96, seed=4, hidden=32, layers=2), FastPathOptions(halved=True))
+    assert ("few_row_bf16" in draft) == ("few_row_kernel" in draft)
     assert CpuBackend("cpu").prepare(build_llama(96, seed=3, hidden=32, layers=2), OFF) == []
+
+
+def test_the_few_row_kernel_is_reported_only_where_it_serves():
+    """It takes products on one thread only: with more, the model never reaches it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        taken = CpuBackend("cpu").prepare(build_llama(96, seed=3, hidden=32, layers=2), FastPathOptions(halved=True))
+    finally:
+        torch.set_num_threads(before)
+    assert "prepacked_linear" in taken and "few_row_kernel" not in taken and "few_row_bf16" not in taken
 
 
 def test_the_cuda_backend_leaves_the_cpu_fast_paths_off():

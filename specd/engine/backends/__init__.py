@@ -31,6 +31,9 @@ class Backend:
     """A device with no fast paths of its own: the model's forwards as transformers runs them."""
 
     name = "generic"
+    # A draft's forwards through specd's lean Llama loop (specd/engine/lean_llama.py): on a CPU a
+    # small model's step is mostly Python around the arithmetic, which that loop skips.
+    lean_forward = False
 
     def __init__(self, device: str):
         self.device = device  # a torch device string: cpu, cuda, cuda:1, ...

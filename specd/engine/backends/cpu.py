@@ -10,6 +10,7 @@ from specd.engine.backends import Backend, FastPathOptions
 
 class CpuBackend(Backend):
     name = "cpu"
+    lean_forward = True
 
     def prepare(self, model, options: FastPathOptions) -> list[str]:
         from specd.engine.backends.cpu_kernels.grouped_attention import use_grouped_attention

@@ -228,8 +228,8 @@ def prepacked_paths(model: nn.Module) -> list[str]:
     """Which of this module's fast paths `model` took: prepacked_linear, few_row_kernel, few_row_bf16."""
     products = [value for module in model.modules() for value in vars(module).values() if isinstance(value, PackedProduct)]
     paths = ["prepacked_linear"] if products else []
-    if any(product.kernel is not None for product in products):
-        paths.append("few_row_kernel")
-    if any(product.half_weight is not None for product in products):
+    if any(product.kernel is not None for product in products) and torch.get_num_threads() == 1:
+        paths.append("few_row_kernel")  # the kernel serves one thread only
+    if any(product.half_weight is not None for product in products) and "few_row_kernel" in paths:
         paths.append("few_row_bf16")
     return paths

@@ -23,7 +23,7 @@
 /* How far ahead of the weight being summed a product of PREFETCH_FROM_ROWS or more rows asks
  * for the weights it will read next. From 3 rows on, the sums take long enough that the CPU's
  * own prefetcher falls behind and the product waits on memory; asking 16 KB ahead (into L2)
- * keeps the weight streaming at the rate a one-row product reads it (tools/measure_prepack.py).
+ * keeps the weight streaming at the rate a one-row product reads it (benchmarks/measure_prepack.py).
  * A one- or two-row product streams as fast without it, and a one-row product read slower with
  * it. Asking past a weight's end is harmless: a prefetch never faults. */
 #define PREFETCH_BYTES 16384
