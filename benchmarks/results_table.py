@@ -50,7 +50,8 @@ def main() -> None:
     parser.add_argument("--command", default="specd bench --json bench.json", help="the command that wrote it (default: %(default)s)")
     args = parser.parse_args()
     print("# Results\n")
-    print("The current `specd bench` figures on the default pair; tokens/s of one request at a time.\n")
+    print("The current `specd bench` figures on the default pair; tokens/s of one request at a time. To take them")
+    print("again: `specd bench --json bench.json`, then `python benchmarks/results_table.py bench.json > docs/results.md`.\n")
     print(markdown(json.loads(args.json_file.read_text()), args.command), end="")
 
 
