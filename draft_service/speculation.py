@@ -27,7 +27,7 @@ from draft_service.tree_mask import TreeMasks, tree_supported
 from specd.core.logits import penalize_seen, seen_ids
 from specd.core.saguaro import reshape_sorted
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
-from specd.engine.forward import forward_logits
+from specd.engine.forward import elapsed_ms, forward_logits
 from specd.engine.kv_cache import croppable
 from specd.engine.packed_forward import Segment
 from specd.engine.session_cache import Session
@@ -81,8 +81,7 @@ def draft_distributions(
     """
     if sampling.greedy:
         return [SparseDist(token_ids=[t], probs=[1.0]) for t in logits.argmax(-1).tolist()]
-    values, indices = _top_probs(logits, sampling, max_support)  # sorted: [R, N]
-    kept = reshape_sorted(values / values.sum(-1, keepdim=True), saguaro_f, saguaro_c)  # [R, N]
+    kept, indices = truncated_probs(logits, sampling, max_support, saguaro_c, saguaro_f)  # [R, N] each
     dists = []
     for ids, values in zip(indices.tolist(), kept.tolist()):
         if values[-1] > 0:
@@ -92,6 +91,15 @@ def draft_distributions(
         support = [(i, v) for i, v in zip(ids, values) if v > 0]
         dists.append(SparseDist(token_ids=[i for i, _ in support], probs=[v for _, v in support]))
     return dists
+
+
+def truncated_probs(
+    logits: torch.Tensor, sampling: SamplingSettings, max_support: int, saguaro_c: float, saguaro_f: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled rows' q' as tensors on the logits' device, nothing read back: (probs [R, N]
+    renormalised and Saguaro-reshaped, ids [R, N]), sorted by falling probability."""
+    values, indices = _top_probs(logits, sampling, max_support)  # [R, N] each
+    return reshape_sorted(values / values.sum(-1, keepdim=True), saguaro_f, saguaro_c), indices
 
 
 def _top_probs(logits: torch.Tensor, sampling: SamplingSettings, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +272,7 @@ class _Tree:
             past_key_values=self.session.cache,
             use_cache=True,
         )
-        return output.logits[0].float().cpu(), (time.perf_counter() - started) * 1000.0
+        return output.logits[0].float(), elapsed_ms(started, device)  # [B, V] on the model's device
 
     def crop(self) -> None:
         """Drop the tree from the KV cache, keeping committed + d_1..d_K."""

@@ -26,9 +26,9 @@ def _visible(prefix_visible: torch.Tensor, prefix_len: int, step: int) -> torch.
     Cache layout: the prefix, then `step` blocks of B entries (block t holds every branch's
     t-th token), so branch b sees entry b of each block.
     """
-    branches = prefix_visible.shape[0]
-    prefix = torch.arange(prefix_len).unsqueeze(0) < prefix_visible.unsqueeze(1)  # [B, L0]
-    tree = torch.eye(branches, dtype=torch.bool).repeat(1, step)  # [B, step*B]
+    branches, device = prefix_visible.shape[0], prefix_visible.device
+    prefix = torch.arange(prefix_len, device=device).unsqueeze(0) < prefix_visible.unsqueeze(1)  # [B, L0]
+    tree = torch.eye(branches, dtype=torch.bool, device=device).repeat(1, step)  # [B, step*B]
     return torch.cat([prefix, tree], dim=1)  # [B, L0 + step*B]
 
 
@@ -38,15 +38,16 @@ def _in_window(prefix_visible: torch.Tensor, prefix_len: int, step: int, window:
     Branch b's t-th token sits at position prefix_visible[b] + t - 1; its query at `step` at
     prefix_visible[b] + step - 1. The rule is transformers': kv position > q position - window.
     """
-    blocks = torch.arange(step).unsqueeze(1) + prefix_visible.unsqueeze(0)  # [step, B]
-    kv_positions = torch.cat([torch.arange(prefix_len), blocks.reshape(-1)])  # [L0 + step*B]
+    device = prefix_visible.device
+    blocks = torch.arange(step, device=device).unsqueeze(1) + prefix_visible.unsqueeze(0)  # [step, B]
+    kv_positions = torch.cat([torch.arange(prefix_len, device=device), blocks.reshape(-1)])  # [L0 + step*B]
     q_positions = prefix_visible + step - 1  # [B]
     return kv_positions.unsqueeze(0) > (q_positions.unsqueeze(1) - window)  # [B, L0 + step*B]
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, B, L] additive mask: 0 where visible, the dtype's minimum elsewhere."""
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
 
 
@@ -69,7 +70,7 @@ def tree_mask(config, prefix_visible: torch.Tensor, prefix_len: int, step: int, 
 
 
 class TreeMasks:
-    """The masks of one build's steps 1..`steps`, on `device`.
+    """The masks of one build's steps 1..`steps`, made on `device`.
 
     Without a sliding window, step s's mask is the first prefix_len + s*B columns of the last
     step's (the blocks only add columns), so it is built once and sliced: building it took
@@ -78,11 +79,12 @@ class TreeMasks:
     """
 
     def __init__(self, config, prefix_visible: torch.Tensor, prefix_len: int, steps: int, dtype: torch.dtype, device):
+        prefix_visible = prefix_visible.to(device)  # [B]: every mask is built where the model runs
         self._args = (config, prefix_visible, prefix_len, dtype, device)
         self._branches = prefix_visible.shape[0]
         self._whole = None
         if getattr(config, "sliding_window", None) is None:
-            self._whole = tree_mask(config, prefix_visible, prefix_len, steps, dtype).to(device)  # [1, 1, B, L0 + steps*B]
+            self._whole = tree_mask(config, prefix_visible, prefix_len, steps, dtype)  # [1, 1, B, L0 + steps*B]
 
     def visible_at(self, step: int) -> torch.Tensor | None:
         """Step `step`'s [B, L0 + step*B] bool mask for a packed forward (full attention only:
@@ -97,5 +99,4 @@ class TreeMasks:
         config, prefix_visible, prefix_len, dtype, device = self._args
         if self._whole is not None:
             return self._whole[..., : prefix_len + step * self._branches]  # [1, 1, B, L0 + step*B]: a view
-        mask = tree_mask(config, prefix_visible, prefix_len, step, dtype)
-        return {kind: m.to(device) for kind, m in mask.items()} if isinstance(mask, dict) else mask.to(device)
+        return tree_mask(config, prefix_visible, prefix_len, step, dtype)

@@ -22,7 +22,7 @@ import torch
 from specd.core.logits import keyed_uniforms, logits_to_probs, penalize_repeats, sparse_to_dense
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist
 from specd.core.tokenizer_spec import TokenizerSpec
-from specd.core.verify import greedy_verify, rejection_sample
+from specd.core.verify import VerifyResult, greedy_verify, rejection_sample
 from specd.engine.batcher import AGAIN, Again
 from specd.engine.forward import forward_logits
 from specd.engine.loading import LoadedModel
@@ -212,29 +212,17 @@ class TargetModelRunner:
 
     @staticmethod
     def _decide(joined: _Synced, logits: torch.Tensor, forward_ms: float) -> VerifyOutcome:
-        """The ratio test (or greedy match) over one verify's logits [K+1, V]."""
-        call, num_draft = joined.call, joined.call.num_draft
-        draft = torch.tensor([call.draft_tokens], dtype=torch.long)  # [1, K]
-        raw = logits
-        if call.sampling.penalizes:
-            # Row j follows every committed token and d_1..d_j: the cache holds them all by now.
-            history = joined.session.cached_tokens[: joined.first_position]
-            row_tokens = [call.draft_tokens[:j] for j in range(num_draft + 1)]
-            logits = penalize_repeats(logits, history, row_tokens, call.sampling.repetition_penalty)  # [K+1, V]
-        if call.sampling.greedy:
-            result = greedy_verify(logits.argmax(-1).unsqueeze(0), draft)
-        else:
-            target_probs = logits_to_probs(logits, call.sampling).unsqueeze(0)  # [1, K+1, V]
-            draft_probs = sparse_to_dense(call.dists, logits.shape[-1]).unsqueeze(0)  # [1, K, V]
-            accept_u = keyed_uniforms(call.sampling.seed, joined.first_position, num_draft, Purpose.ACCEPT)  # [K]
-            sample_u = keyed_uniforms(call.sampling.seed, joined.first_position, num_draft + 1, Purpose.SAMPLE)  # [K+1]
-            result = rejection_sample(target_probs, draft_probs, draft, accept_u.unsqueeze(0), sample_u.unsqueeze(0))
+        """The ratio test (or greedy match) over one verify's logits [K+1, V], then its few values read back."""
+        call = joined.call
+        # The committed tokens, for a repetition penalty: the cache holds them all by now.
+        history = joined.session.cached_tokens[: joined.first_position] if call.sampling.penalizes else []
+        result = verify_logits(call, logits, history, joined.first_position)
         accepted = int(result.accepted[0])
         next_token = int(result.next_token[0])
         logprobs: list[float] = []
         if call.return_logprobs:
-            emitted = torch.tensor(call.draft_tokens[:accepted] + [next_token])  # [k+1]
-            raw_logprobs = raw[: accepted + 1].log_softmax(-1)  # [k+1, V]: the model's own, before any penalty
+            emitted = torch.tensor(call.draft_tokens[:accepted] + [next_token], device=logits.device)  # [k+1]
+            raw_logprobs = logits[: accepted + 1].log_softmax(-1)  # [k+1, V]: the model's own, before any penalty
             logprobs = raw_logprobs.gather(-1, emitted.unsqueeze(-1)).squeeze(-1).tolist()
         return VerifyOutcome(
             accepted=accepted,
@@ -250,6 +238,26 @@ class TargetModelRunner:
 
     def expire_idle(self) -> list[str]:
         return self.sessions.expire_idle()
+
+
+def verify_logits(call: VerifyCall, logits: torch.Tensor, history: list[int], first_position: int) -> VerifyResult:
+    """The ratio test (greedy: the match) of `call`'s draft against the target's logits [K+1, V]
+    after `history`, d_1 at absolute position `first_position`: tensors on the logits' device,
+    nothing read back."""
+    num_draft, device = call.num_draft, logits.device
+    draft = torch.tensor([call.draft_tokens], dtype=torch.long, device=device)  # [1, K]
+    if call.sampling.penalizes:
+        # Row j follows every committed token and d_1..d_j.
+        row_tokens = [call.draft_tokens[:j] for j in range(num_draft + 1)]
+        logits = penalize_repeats(logits, history, row_tokens, call.sampling.repetition_penalty)  # [K+1, V]
+    if call.sampling.greedy:
+        return greedy_verify(logits.argmax(-1).unsqueeze(0), draft)
+    target_probs = logits_to_probs(logits, call.sampling).unsqueeze(0)  # [1, K+1, V]
+    draft_probs = sparse_to_dense(call.dists, logits.shape[-1], device).unsqueeze(0)  # [1, K, V]
+    seed = call.sampling.seed
+    accept_u = keyed_uniforms(seed, first_position, num_draft, Purpose.ACCEPT, device)  # [K]
+    sample_u = keyed_uniforms(seed, first_position, num_draft + 1, Purpose.SAMPLE, device)  # [K+1]
+    return rejection_sample(target_probs, draft_probs, draft, accept_u.unsqueeze(0), sample_u.unsqueeze(0))
 
 
 def _outcome_or_error(run, *args) -> VerifyOutcome | Prefilled | Again | BaseException:

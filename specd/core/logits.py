@@ -14,10 +14,10 @@ import torch
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform
 
 
-def keyed_uniforms(seed: int, start: int, count: int, purpose: Purpose) -> torch.Tensor:
-    """Uniforms for positions start..start+count-1, as a float64 tensor [count]."""
+def keyed_uniforms(seed: int, start: int, count: int, purpose: Purpose, device=None) -> torch.Tensor:
+    """Uniforms for positions start..start+count-1, as a float64 tensor [count] on `device`."""
     values = [keyed_uniform(seed, start + i, purpose) for i in range(count)]
-    return torch.tensor(values, dtype=torch.float64)
+    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def penalize_repeats(
@@ -44,15 +44,18 @@ def seen_ids(history: Sequence[int]) -> torch.Tensor:
 
 
 def penalize_seen(logits: torch.Tensor, seen: torch.Tensor, row_tokens: Sequence[Sequence[int]], penalty: float) -> torch.Tensor:
-    """penalize_repeats with the history given as its distinct ids (seen_ids): [R, V] -> [R, V]."""
+    """penalize_repeats with the history given as its distinct ids (seen_ids): [R, V] -> [R, V].
+    Which tokens a row adds is worked out on the host, from the ids it was given: only the
+    columns to change are indexed on the logits' device."""
     out = logits.clone()
-    out[:, seen] = _penalized(out[:, seen], penalty)  # [R, S]
-    in_history = torch.zeros(logits.shape[-1], dtype=torch.bool)  # [V]
-    in_history[seen] = True
+    seen_here = seen.to(logits.device)  # [S]
+    out[:, seen_here] = _penalized(out[:, seen_here], penalty)  # [R, S]
+    known = set(seen.tolist())
     for row, tokens in enumerate(row_tokens):
-        extra = torch.unique(torch.as_tensor(tokens, dtype=torch.long))  # [E]
-        extra = extra[~in_history[extra]]  # penalised once, as a token seen twice is
-        out[row, extra] = _penalized(out[row, extra], penalty)
+        extra = sorted(set(tokens) - known)  # penalised once, as a token seen twice is
+        if extra:
+            columns = torch.tensor(extra, dtype=torch.long, device=logits.device)  # [E]
+            out[row, columns] = _penalized(out[row, columns], penalty)
     return out
 
 
@@ -96,11 +99,10 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
-def sparse_to_dense(dists: list[SparseDist], vocab_size: int) -> torch.Tensor:
-    """Scatter sparse distributions into a dense float32 tensor [len(dists), V]."""
-    dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32)
+def sparse_to_dense(dists: list[SparseDist], vocab_size: int, device=None) -> torch.Tensor:
+    """Scatter sparse distributions into a dense float32 tensor [len(dists), V] on `device`."""
+    dense = torch.zeros(len(dists), vocab_size, dtype=torch.float32, device=device)
     for row, dist in enumerate(dists):
-        dense[row, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(
-            dist.probs, dtype=torch.float32
-        )
+        ids = torch.tensor(dist.token_ids, dtype=torch.long, device=device)  # [N]
+        dense[row, ids] = torch.tensor(dist.probs, dtype=torch.float32, device=device)
     return dense

@@ -67,7 +67,7 @@ def rejection_sample(
     accept = accept_uniforms.double() * draft_at_draft < target_at_draft  # [B, K]
     accepted = _count_leading_true(accept)  # [B]
 
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=target_probs.device)
     target_next = target_probs[rows, accepted].double()  # [B, V]
     # Past the last draft position there is no q: the bonus token comes from p alone.
     padded_draft = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)  # [B, K+1, V]

@@ -11,14 +11,23 @@ import torch
 def forward_logits(model, cache, tokens: list[int], num_logits: int) -> tuple[torch.Tensor, float]:
     """Feed `tokens` after what `cache` holds; return (logits [num_logits, V] float32, ms).
 
-    The logits are those after the last `num_logits` tokens fed.
+    The logits are those after the last `num_logits` tokens fed, on the model's device: the code
+    that reads them decides what crosses to the host.
     """
     device = model.device
     input_ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, L]
     started = time.perf_counter()
     output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
-    logits = output.logits[0, -num_logits:].float().cpu()  # [num_logits, V]
-    return logits, (time.perf_counter() - started) * 1000.0
+    logits = output.logits[0, -num_logits:].float()  # [num_logits, V]
+    return logits, elapsed_ms(started, device)
+
+
+def elapsed_ms(started: float, device) -> float:
+    """Milliseconds since `started` (time.perf_counter()), once the device has finished what was
+    queued on it (a GPU runs a forward after the call returns)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) * 1000.0
 
 
 def warm_up(model) -> None:

@@ -34,6 +34,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specd.engine.backends.cpu_kernels.grouped_attention import GROUPED_SDPA, grouped_sdpa_attention
 from specd.engine.backends.cpu_kernels.prepacked_linear import float32_products
+from specd.engine.forward import elapsed_ms
 from specd.engine.kv_cache import GrowingKVCache, croppable
 from specd.engine.llama_layers import decoder_layers, run_layers
 
@@ -62,7 +63,7 @@ class _PackedBatch:
         self.segments = segments
         ends = list(itertools.accumulate(len(s.tokens) for s in segments))
         self.bounds = list(zip([0] + ends[:-1], ends))  # each segment's slice of the packed sequence
-        self.masks = [_mask(s, s.cache.get_seq_length()) for s in segments]
+        self.masks: list[torch.Tensor | None] = []  # [1, 1, L, cached + L] each, on the model's device (set by Packer)
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current layer's, per segment
         self.base_attention = "sdpa"  # the model's own attention (a key of _BASES), run per segment
 
@@ -75,15 +76,15 @@ class _PackedBatch:
         return key_states, value_states
 
 
-def _mask(segment: Segment, cached: int) -> torch.Tensor | None:
-    """[1, 1, L, cached + L] bool for sdpa; None for one causal token (it sees everything)."""
+def _mask(segment: Segment, cached: int, device: torch.device) -> torch.Tensor | None:
+    """[1, 1, L, cached + L] bool for sdpa, on `device`; None for one causal token (it sees everything)."""
     length = len(segment.tokens)
     if segment.visible is not None:
-        return segment.visible.view(1, 1, length, cached + length)
+        return segment.visible.to(device).view(1, 1, length, cached + length)
     if length == 1:
         return None
-    rows = torch.arange(length).unsqueeze(-1) + cached  # [L, 1]: each token's own index
-    return (torch.arange(cached + length).unsqueeze(0) <= rows).view(1, 1, length, cached + length)
+    rows = torch.arange(length, device=device).unsqueeze(-1) + cached  # [L, 1]: each token's own index
+    return (torch.arange(cached + length, device=device).unsqueeze(0) <= rows).view(1, 1, length, cached + length)
 
 
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -128,6 +129,7 @@ class Packer:
     def _forward(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:
         device = self.model.device
         batch = _PackedBatch(segments)
+        batch.masks = [_mask(s, s.cache.get_seq_length(), device) for s in segments]
         batch.base_attention = self.base_attention
         started = time.perf_counter()
         ids = torch.tensor([[t for s in segments for t in s.tokens]], dtype=torch.long, device=device)  # [1, T]
@@ -136,8 +138,8 @@ class Packer:
         hidden = run_layers(self.model, self._layers, hidden, positions, batch, **{_PACKED: batch})  # [1, T, H]
         rows = torch.tensor([i for (_, b), s in zip(batch.bounds, segments) for i in range(b - s.num_logits, b)], device=device)
         hidden = self._inner.norm(hidden[:, rows])  # [1, sum of num_logits, H]
-        logits = self.model.lm_head(hidden)[0].float().cpu()  # [sum of num_logits, V]
-        return list(logits.split([s.num_logits for s in segments])), (time.perf_counter() - started) * 1000.0
+        logits = self.model.lm_head(hidden)[0].float()  # [sum of num_logits, V], on the model's device
+        return list(logits.split([s.num_logits for s in segments])), elapsed_ms(started, device)
 
 
 def _positions(segment: Segment) -> list[int]:
@@ -191,6 +193,7 @@ def _agrees(model, packer: Packer) -> bool:
             for f, c in zip(feeds, lone)
         ]  # [n, V] each
         got, _ = packer.forward([Segment(c, f, len(f)) for f, c in zip(feeds, packed)])
+        got = [g.cpu() for g in got]  # [n, V] each
         if not all(croppable(c) for c in packed):
             return False
         if not all(torch.allclose(w, g, rtol=1e-4, atol=1e-4) for w, g in zip(want, got)):
