@@ -76,30 +76,32 @@ def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens:
 class HFAssisted:
     """transformers `generate(assistant_model=...)` on the same pair, in this process."""
 
-    def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int):
+    def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int, device: str = "auto", dtype: str = "auto"):
         import transformers
 
-        from specd.engine.backends import FastPathOptions
-        from specd.engine.backends.cpu import CpuBackend
+        from specd.engine.backends import FastPathOptions, backend_for
         from specd.engine.loading import load_causal_lm
 
         transformers.logging.set_verbosity_error()  # generate() warns about its defaults on every call
         self.threads = threads  # generate() gets the threads the two workers have together
         self.worker_threads = worker_threads  # a verify forward is timed as the target worker runs it
-        target = load_causal_lm(target_path)  # as the workers load them: names resolved, the draft's borrowed weights in
+        backend = backend_for(device)  # the stack's device and dtype: a comparison on one machine
+        self.device, dtype = backend.device, backend.dtype(dtype)
+        # As the workers load them: names resolved, the draft's borrowed weights in.
+        target = load_causal_lm(target_path, dtype=dtype, device=self.device)
         self.tokenizer, self.target = target.tokenizer, target.model
-        self.draft = load_causal_lm(draft_path).model
+        self.draft = load_causal_lm(draft_path, dtype=dtype, device=self.device).model
         # generate() runs transformers' model as it comes; a verify is timed on the model as a
         # target worker serves it by default.
-        self.verify_target = load_causal_lm(target_path).model
-        CpuBackend("cpu").prepare(self.verify_target, FastPathOptions())  # as the stack's CPU target runs
+        self.verify_target = load_causal_lm(target_path, dtype=dtype, device=self.device).model
+        backend.prepare(self.verify_target, FastPathOptions())
 
     def add_prompt(self, run: ModeRun, prompt: str, max_new_tokens: int) -> None:
         """One greedy assisted generation of `prompt`, added to `run`."""
         import torch
 
         torch.set_num_threads(self.threads)
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)  # [1, P]
         started = time.perf_counter()
         with torch.inference_mode():
             out = self.target.generate(
@@ -137,12 +139,13 @@ class HFAssisted:
     def _verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int) -> list[float]:
         import torch
 
+        from specd.engine.forward import elapsed_ms
         from specd.engine.kv_cache import GrowingKVCache
 
         times = []
         with torch.inference_mode():
             for prompt in prompts:
-                ids = self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, P]
+                ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)  # [1, P]
                 # Any tokens time the same: the prompt repeated to the length wanted.
                 length = ids.shape[1] + context_extra
                 context = ids.repeat(1, -(-length // ids.shape[1]))[:, :length]  # [1, P+extra]
@@ -152,7 +155,7 @@ class HFAssisted:
                     self.verify_target(context, past_key_values=cache, use_cache=True)
                     started = time.perf_counter()
                     self.verify_target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)
-                    times.append((time.perf_counter() - started) * 1000.0)
+                    times.append(elapsed_ms(started, self.device))
         return times
 
 

@@ -167,7 +167,7 @@ def load_local_runner(config: TargetConfig, job: Job) -> TargetModelRunner:
     log.info("rank %d/%d joined the job on %s; loading %s", job.rank, job.world_size, device, config.model)
     loaded = load_causal_lm(
         config.model,
-        dtype=config.dtype,
+        dtype=backend.dtype(config.dtype),
         device=device,
         distributed_config=DistributedConfig(tp_size=job.world_size),
     )

@@ -46,6 +46,12 @@ def add_parser(subparsers) -> None:
                         help="passes over all prompts, each prompt through every mode in turn (default 1; "
                              "more give the spread of tokens/s between passes)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
+    parser.add_argument("--device", default="auto",
+                        help="the stack's device, and HF assisted generation's and the verify timing's (default: "
+                             "%(default)s: cuda where torch sees a GPU, else cpu)")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights dtype of the stack and of the in-process models (default: %(default)s: float32 "
+                             "on a CPU, bfloat16 on a GPU)")
     # Default 1: the run above, one request at a time, whose figures are `modes`; the JSON gets a
     # `concurrency` block only when levels are named.
     parser.add_argument("--concurrency", default=None,
@@ -62,7 +68,7 @@ def add_parser(subparsers) -> None:
 def start_stack(args, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [sys.executable, "-m", "specd", "up", "--target", args.target, "--draft", args.draft,
-         "--threads", str(args.threads), "--port", "0", "--metrics-port", "0"],
+         "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype, "--port", "0", "--metrics-port", "0"],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
@@ -194,7 +200,7 @@ def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_
     # The limit's verify forward is timed where the stack's target runs (specd up pins it).
     target_cpus = stack_layout(args.threads).get("target") if local else None
     # The in-process baseline gets the threads the two workers have together.
-    hf = bench.HFAssisted(args.target, args.draft, threads=2 * args.threads, worker_threads=args.threads) if local else None
+    hf = bench.HFAssisted(args.target, args.draft, 2 * args.threads, args.threads, args.device, args.dtype) if local else None
     verify_times: list[float] = []  # taken in every pass, under the load the modes see
     runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
     # TLS and the token are the --address stack's; the stacks started here serve plaintext.
@@ -265,6 +271,7 @@ def build_summary(args, runs: dict, traced_addresses: dict, skipped: dict[str, s
             "target": target, "draft": draft, "address": args.address, "prompts": num_prompts,
             "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": args.num_speculative_tokens,
             "repeats": args.repeats, "threads_per_worker": args.threads, "temperature": 0.0,
+            "device": args.device, "dtype": args.dtype,
             "target_cpus": format_cpu_list(target_cpus) if target_cpus else "",
         },
     )

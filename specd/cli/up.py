@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -47,7 +48,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--device", default="auto",
                         help="torch device of both workers: auto, cpu, cuda, cuda:N (default: %(default)s: cuda where "
                              "torch sees a GPU, else cpu)")
-    parser.add_argument("--dtype", default="float32", help="weights dtype of both workers (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights dtype of both workers (default: %(default)s: float32 on a CPU, bfloat16 on a GPU)")
     parser.add_argument("--target-tensor-parallel", type=int, default=1,
                         help="ranks of the tensor-parallel target (default: %(default)s: one device)")
     parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
@@ -138,23 +140,68 @@ def prepare_default_target(names: list[str]) -> None:
               file=sys.stderr, flush=True)
 
 
+def visible_gpus() -> int:
+    """NVIDIA GPUs the workers would see, found without loading torch: the driver's entries
+    (/proc/driver/nvidia/gpus), as many as CUDA_VISIBLE_DEVICES lets through when it is set."""
+    try:
+        present = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    listed = [part.strip() for part in visible.split(",") if part.strip()]
+    return min(present, len(listed)) if "-1" not in listed else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where `specd up` puts its services: CPU affinity on a CPU host, a GPU each on a GPU host."""
+
+    cpus: dict[str, frozenset[int]]  # service -> CPUs; {} for no pinning
+    draft_device: str
+
+    def say(self) -> list[str]:
+        lines = []
+        if self.cpus:
+            lines.append(f"target pinned to {describe_cpus(self.cpus['target'])}, draft and coordinator to "
+                         f"{describe_cpus(self.cpus['coordinator'])}")
+        if self.draft_device.startswith("cuda:"):
+            lines.append(f"the draft runs on a GPU of its own: {self.draft_device}")
+        return lines
+
+
+def placement(args: argparse.Namespace) -> Placement:
+    """On a GPU host no CPU pinning (a worker's host threads only feed its GPU), and the draft on a
+    GPU of its own when one is left beside the target's ranks; on a CPU host the pinning
+    --pin-cpus asks for."""
+    gpus = visible_gpus()
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and gpus > 0)
+    if not on_gpu:
+        cpus = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
+        return Placement(cpus, args.device)
+    ranks = args.target_tensor_parallel
+    spare = args.device in ("auto", "cuda") and gpus > ranks
+    return Placement({}, f"cuda:{ranks}" if spare else args.device)
+
+
 def build_services(args: argparse.Namespace, ports: dict[str, int], log_dir: pathlib.Path) -> list[Service]:
     """The services to run, workers first; each with its command line, address and log."""
     host = args.host
     address = {name: f"{host}:{ports[name]}" for name in ("coordinator", "target", "draft")}
     metrics = {name: str(ports.get(f"metrics-{name}", -1)) for name in ("coordinator", "target", "draft")}
-    worker_flags = ["--host", host, "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
+    placed = placement(args)
+    worker_flags = ["--host", host, "--threads", str(args.threads), "--dtype", args.dtype]
     argv = {
-        "target": ["target", "--model", args.target, "--port", str(ports["target"]), *worker_flags,
+        "target": ["target", "--model", args.target, "--port", str(ports["target"]), *worker_flags, "--device", args.device,
                    "--metrics-port", metrics["target"], "--tensor-parallel", str(args.target_tensor_parallel)],
         "coordinator": ["coordinator", "--host", host, "--port", str(ports["coordinator"]), "--metrics-port", metrics["coordinator"],
                         "--target-address", address["target"], "--draft-address", address["draft"] if args.draft else ""],
     }
     if args.draft:
         argv["draft"] = ["draft", "--model", args.draft, "--port", str(ports["draft"]), *worker_flags,
-                         "--metrics-port", metrics["draft"]]
-    layout = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
-    for name, flags in cpus_flags(layout).items():
+                         "--device", placed.draft_device, "--metrics-port", metrics["draft"]]
+    for name, flags in cpus_flags(placed.cpus).items():
         if name in argv:
             argv[name] += flags
     return [
@@ -214,9 +261,8 @@ def run(args: argparse.Namespace) -> int:
     if ignored:
         supervisor.say(f"serves plaintext on {args.host}; not passed to the services: {', '.join(ignored)} "
                        "(to serve TLS, start each with `specd serve`: README, 'Running the services yourself')")
-    if args.pin_cpus and (layout := stack_layout(args.threads, args.target_tensor_parallel)):
-        supervisor.say(f"target pinned to {describe_cpus(layout['target'])}, draft and coordinator to "
-                       f"{describe_cpus(layout['coordinator'])}")
+    for line in placement(args).say():
+        supervisor.say(line)
     try:
         start_stack(supervisor, time.monotonic() + args.startup_timeout)
         address = supervisor.services["coordinator"].address

@@ -16,7 +16,10 @@ class WorkerConfig:
     host: str = setting("127.0.0.1", "address to bind the gRPC and /metrics servers to (0.0.0.0: every interface)")
     port: int = setting(0, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(-1, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
-    dtype: str = setting("float32", "weights dtype", choices=DTYPE_NAMES)
+    dtype: str = setting(
+        "auto", "weights dtype (auto: the backend's, float32 on a CPU and bfloat16 on a GPU; exactness checks ask float32)",
+        choices=("auto", *DTYPE_NAMES),
+    )
     device: str = setting("auto", "torch device: auto, cpu, cuda, cuda:N")
     threads: int = setting(0, "torch intra-op threads (0 keeps torch's default)")
     prepack_weights: bool = setting(

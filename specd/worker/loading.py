@@ -29,7 +29,7 @@ def load_prepared(
     the fast paths are set up (a draft drops padded embedding rows), set them up, warm up."""
     backend = backend_for(config.device)
     backend.set_threads(config.threads)
-    loaded = load_causal_lm(config.model, dtype=config.dtype, device=backend.device)
+    loaded = load_causal_lm(config.model, dtype=backend.dtype(config.dtype), device=backend.device)
     if adjust is not None:
         adjust(loaded)
     options = FastPathOptions(config.prepack_weights, config.few_row_kernel, halved, config.grouped_attention)

@@ -237,3 +237,40 @@ def test_the_stack_starts_its_services_without_tls_settings():
     environ = {"PATH": "/bin", "SPECD_TLS_CERT_FILE": "me.crt", "SPECD_TLS_KEY_FILE": "me.key",
                "SPECD_WORKER_TLS_CA_FILE": "ca.crt", "SPECD_THREADS": "1"}
     assert service_environment(environ) == {"PATH": "/bin", "SPECD_THREADS": "1"}
+
+
+def _args(**changes):
+    import argparse
+
+    from specd.cli import up
+
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    return parser.parse_args(["up", *[part for flag, value in changes.items() for part in (f"--{flag.replace('_', '-')}", value)]])
+
+
+def test_a_gpu_host_pins_no_cpus_and_gives_the_draft_a_gpu_of_its_own(monkeypatch, tmp_path):
+    from specd.cli import up
+
+    ports = {"coordinator": 1, "target": 2, "draft": 3}
+    monkeypatch.setattr(up, "visible_gpus", lambda: 2)
+    services = {s.name: s.argv for s in up.build_services(_args(), ports, tmp_path)}
+    assert "--cpus" not in services["target"] and "--cpus" not in services["draft"]
+    assert services["target"][services["target"].index("--device") + 1] == "auto"
+    assert services["draft"][services["draft"].index("--device") + 1] == "cuda:1"
+    assert up.placement(_args()).say() == ["the draft runs on a GPU of its own: cuda:1"]
+    # One GPU: the draft shares it; a tensor-parallel target on both: the draft shares them too.
+    monkeypatch.setattr(up, "visible_gpus", lambda: 1)
+    assert up.placement(_args()).draft_device == "auto"
+    monkeypatch.setattr(up, "visible_gpus", lambda: 2)
+    assert up.placement(_args(target_tensor_parallel="2")).draft_device == "auto"
+
+
+def test_a_cpu_host_keeps_its_pinning(monkeypatch, tmp_path):
+    from specd.cli import up
+
+    monkeypatch.setattr(up, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(up, "stack_layout", lambda threads, ranks: {"target": frozenset({0}), "draft": frozenset({1}), "coordinator": frozenset({1})})
+    services = {s.name: s.argv for s in up.build_services(_args(), {"coordinator": 1, "target": 2, "draft": 3}, tmp_path)}
+    assert services["target"][-2:] == ["--cpus", "0"] and services["draft"][-2:] == ["--cpus", "1"]
+    assert services["draft"][services["draft"].index("--device") + 1] == "auto"

@@ -75,3 +75,9 @@ def test_workers_report_their_backend_and_the_coordinator_takes_its_profile(tiny
         }
         assert samples[("specd_backend_info", "target", "cpu")] == ",".join(target.fast_paths)
         assert samples[("specd_backend_info", "draft", "cpu")] == ",".join(draft.fast_paths)
+
+
+def test_each_backend_has_its_default_weights_dtype():
+    """--dtype auto: float32 on a CPU (exactness is promised against it), bfloat16 on a GPU."""
+    assert CpuBackend("cpu").dtype("auto") == "float32" and CudaBackend("cuda").dtype("auto") == "bfloat16"
+    assert CudaBackend("cuda").dtype("float32") == "float32"  # asked: exactness checks run fp32 on a GPU too

@@ -31,12 +31,17 @@ class Backend:
     """A device with no fast paths of its own: the model's forwards as transformers runs them."""
 
     name = "generic"
+    default_dtype = "float32"  # the weights' dtype when a worker's --dtype is auto
     # A draft's forwards through specd's lean Llama loop (specd/engine/lean_llama.py): on a CPU a
     # small model's step is mostly Python around the arithmetic, which that loop skips.
     lean_forward = False
 
     def __init__(self, device: str):
         self.device = device  # a torch device string: cpu, cuda, cuda:1, ...
+
+    def dtype(self, asked: str) -> str:
+        """The weights' dtype: `asked`, or this backend's default for auto."""
+        return self.default_dtype if asked == "auto" else asked
 
     def set_threads(self, threads: int) -> None:
         """torch's intra-op threads (0: torch's own count)."""

@@ -9,6 +9,8 @@ from specd.engine.backends import Backend, FastPathOptions
 
 class CudaBackend(Backend):
     name = "cuda"
+    # A GPU step reads the weights: bfloat16 halves what it reads (exactness checks ask float32).
+    default_dtype = "bfloat16"
 
     def prepare(self, model, options: FastPathOptions) -> list[str]:
         return []
