@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="the stack's device (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", help="the stack's weights dtype (default: %(default)s)")
     args = parser.parse_args()
     prompts = json.loads(BENCH_PROMPTS.read_text())[: args.num_prompts]
     cells = [("off", 1)] + [(mode, int(k)) for mode in args.modes.split(",") for k in args.ks.split(",")]

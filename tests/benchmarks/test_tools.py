@@ -8,6 +8,7 @@ not checked here, only that the tools run and say what they measured.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -195,3 +196,11 @@ def test_check_exactness_under_a_repetition_penalty(tiny_pair, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     assert run.stdout.splitlines()[-1] == "greedy outputs exact: yes"
     assert json.loads(report.read_text())["repetition_penalty"] == 1.5
+
+
+def test_the_gpu_check_finds_everything_it_uses():
+    """tools/gpu_check.sh --dry-run: every file, flag and model the GPU check uses is here."""
+    run = subprocess.run(["bash", "tools/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "gpu_check --dry-run: ready" in run.stdout

@@ -10,6 +10,8 @@ apart from the forwards. On a machine with a GPU the same paths run for real (to
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,7 +30,8 @@ from tests.tiny_models import build_llama
 
 pytestmark = pytest.mark.device_placement
 
-DEVICE = torch.device("meta")
+# meta here; tools/gpu_check.sh runs the same tests on the GPU (SPECD_PLACEMENT_DEVICE=cuda).
+DEVICE = torch.device(os.environ.get("SPECD_PLACEMENT_DEVICE", "meta"))
 VOCAB = 96
 SAMPLED = SamplingSettings(temperature=0.8, top_k=20, top_p=0.9, seed=7, repetition_penalty=1.3)
 
