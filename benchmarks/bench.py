@@ -76,7 +76,8 @@ def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens:
 class HFAssisted:
     """transformers `generate(assistant_model=...)` on the same pair, in this process."""
 
-    def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int, device: str = "auto", dtype: str = "auto"):
+    def __init__(self, target_path: str, draft_path: str, threads: int, worker_threads: int, device: str = "auto",
+                 dtype: str = "auto", assisted: bool = True):
         import transformers
 
         from specd.engine.backends import FastPathOptions, backend_for
@@ -86,15 +87,16 @@ class HFAssisted:
         self.threads = threads  # generate() gets the threads the two workers have together
         self.worker_threads = worker_threads  # a verify forward is timed as the target worker runs it
         backend = backend_for(device)  # the stack's device and dtype: a comparison on one machine
-        self.device, dtype = backend.device, backend.dtype(dtype)
-        # As the workers load them: names resolved, the draft's borrowed weights in.
-        target = load_causal_lm(target_path, dtype=dtype, device=self.device)
-        self.tokenizer, self.target = target.tokenizer, target.model
-        self.draft = load_causal_lm(draft_path, dtype=dtype, device=self.device).model
-        # generate() runs transformers' model as it comes; a verify is timed on the model as a
-        # target worker serves it by default.
-        self.verify_target = load_causal_lm(target_path, dtype=dtype, device=self.device).model
+        self.device, self.dtype = backend.device, backend.dtype(dtype)
+        # A verify is timed on the target as a target worker serves it by default.
+        verify = load_causal_lm(target_path, dtype=self.dtype, device=self.device)
+        self.tokenizer, self.verify_target = verify.tokenizer, verify.model
         backend.prepare(self.verify_target, FastPathOptions())
+        # generate() runs transformers' models as they come, loaded as the workers load them
+        # (names resolved, the draft's borrowed weights in); only when the mode runs: on a GPU a
+        # large target's second and third copies are memory the stack may need.
+        self.target = load_causal_lm(target_path, dtype=self.dtype, device=self.device).model if assisted else None
+        self.draft = load_causal_lm(draft_path, dtype=self.dtype, device=self.device).model if assisted else None
 
     def add_prompt(self, run: ModeRun, prompt: str, max_new_tokens: int) -> None:
         """One greedy assisted generation of `prompt`, added to `run`."""
@@ -139,7 +141,7 @@ class HFAssisted:
     def _verify_times_ms(self, prompts: list[str], k: int, context_extra: int, repeats: int) -> list[float]:
         import torch
 
-        from specd.engine.forward import elapsed_ms
+        from specd.engine.forward import elapsed_ms, synchronize
         from specd.engine.kv_cache import GrowingKVCache
 
         times = []
@@ -153,6 +155,7 @@ class HFAssisted:
                 for _ in range(repeats):
                     cache = GrowingKVCache()  # the cache a worker's session uses
                     self.verify_target(context, past_key_values=cache, use_cache=True)
+                    synchronize(self.device)  # the context's forward is done before the clock starts
                     started = time.perf_counter()
                     self.verify_target(block, past_key_values=cache, use_cache=True, logits_to_keep=k + 1)
                     times.append(elapsed_ms(started, self.device))

@@ -10,11 +10,14 @@ bench's acceptance. The tokenizer is a word-level one over the whole vocabulary,
 keeps its real width on both (a draft worker drops embedding rows no token maps to).
 
     python benchmarks/synthetic_pair.py OUT [--shape llama-3.1-8b] [--draft-layers 2] [--device cuda] [--dtype bfloat16]
+
+It also writes OUT/prompts.json, prompts of random words the tokenizer knows (`--prompts N`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 
@@ -33,22 +36,32 @@ SHAPES = {
 
 
 def word_tokenizer(vocab_size: int):
-    """A word-level tokenizer with an id for every row of the vocabulary (w0 is unknown and end)."""
+    """A word-level tokenizer with an id for every row of the vocabulary: w0 is the end of text,
+    w1 stands for a word it does not know."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w1"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w0", pad_token="w0")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w1", eos_token="w0")
+
+
+def word_prompts(vocab_size: int, count: int, words: int = 48, seed: int = 0) -> list[str]:
+    """Prompts of random known words: the pair's tokenizer reads every one as a token of its own
+    (text it does not know would be all w1, one repeated input)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab_size, (count, words), generator=generator)  # [count, words], no w0 or w1
+    return [" ".join(f"w{i}" for i in row.tolist()) for row in ids]
 
 
 def build_target(shape: str, draft_layers: int, residual_scale: float, dtype: torch.dtype, device: str, seed: int):
     """The target: `draft_layers` ordinary random layers, the rest adding residuals scaled by `residual_scale`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # No pad id: a padding row is initialised to zeros, and a pair without one needs none.
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                         bos_token_id=0, eos_token_id=0, pad_token_id=None)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype where it runs: no float32 copy of 8 B weights
@@ -91,6 +104,19 @@ def save_pair(out: pathlib.Path, shape: str, draft_layers: int, residual_scale: 
     return folders[0], folders[1]
 
 
+def greedy_smoke(target_folder: str, max_new_tokens: int = 8) -> list[int]:
+    """The saved target's greedy tokens after a word prompt, in this process on the CPU: a pair a
+    bench can measure writes more than an end of text."""
+    from specd.engine.loading import load_causal_lm
+
+    loaded = load_causal_lm(target_folder, device="cpu")
+    ids = loaded.tokenizer(word_prompts(loaded.vocab_size, 1)[0], return_tensors="pt").input_ids  # [1, P]
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=pathlib.Path, help="folder to write target/ and draft/ into")
@@ -100,9 +126,12 @@ def main() -> None:
                         help="scale of the later layers' output projections: smaller, higher acceptance (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="where the weights are made (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=8, help="word prompts written to OUT/prompts.json (default: %(default)s)")
     args = parser.parse_args()
     target, draft = save_pair(args.out, args.shape, args.draft_layers, args.residual_scale, getattr(torch, args.dtype), args.device)
-    print(f"target {target}\ndraft {draft}")
+    prompts = args.out / "prompts.json"
+    prompts.write_text(json.dumps(word_prompts(SHAPES[args.shape]["vocab_size"], args.prompts)))
+    print(f"target {target}\ndraft {draft}\nprompts {prompts}")
 
 
 if __name__ == "__main__":

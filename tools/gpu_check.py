@@ -5,25 +5,31 @@ One run, within minutes on one GPU and no network: the device-placement tests fo
 ssd against the target alone (benchmarks/check_exactness.py); a synthetic pair of a real model's
 shape (benchmarks/synthetic_pair.py: a Llama-3.1-8B-shaped target in bfloat16 whose later layers
 add small residuals, and a draft of its first layers) through `specd bench` on the GPU; and its
-one-token step and verify of K + 1 tokens timed against the weight-bytes floor. Everything it
-measured goes into one JSON (--out).
+one-token step and verify of K + 1 tokens timed against the floor of reading its weights once.
+Everything it measured goes into one JSON, OUT/gpu_check.json; the models and logs it makes stay
+in a temporary folder (--work) it removes at the end. The whole run keeps to --budget-s: each step
+gets its share of what is left, and a step past it is stopped with everything it started.
 
     python tools/gpu_check.py --out gpu-check            # on the GPU machine
     python tools/gpu_check.py --dry-run                  # here: every file, flag and model it uses
 
 --dry-run checks on a CPU that the files exist, that the commands take the flags it passes, and
-that the synthetic pair builds, saves and loads (at a tiny shape).
+that the synthetic pair builds, saves, loads and writes more than an end of text (at a tiny shape).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,18 +40,43 @@ FILES = ("tests/engine/test_device_placement.py", "tests/tiny_models.py", "bench
 # Each command and the flags this check passes it.
 FLAGS = {
     ("specd", "up"): ("--target", "--draft", "--device", "--dtype", "--port", "--metrics-port", "--log-dir"),
-    ("specd", "bench"): ("--target", "--draft", "--device", "--dtype", "--modes", "--num-prompts", "--max-new-tokens", "--json"),
+    ("specd", "bench"): ("--target", "--draft", "--device", "--dtype", "--modes", "--prompts", "--num-prompts",
+                         "--max-new-tokens", "--json"),
     ("benchmarks/check_exactness.py",): ("--address", "--prompts-file", "--reference", "--modes", "--max-new-tokens", "--json"),
-    ("benchmarks/synthetic_pair.py",): ("--shape", "--draft-layers", "--residual-scale", "--device", "--dtype"),
+    ("benchmarks/synthetic_pair.py",): ("--shape", "--draft-layers", "--residual-scale", "--device", "--dtype", "--prompts"),
 }
 HBM_BYTES_PER_S = 4.3e12  # what a device-to-device copy moved on the H200 (bytes read + written)
 K = 4
+# Each step's share of the time left when it starts (the last takes what is left).
+SHARES = {"device_placement": 0.15, "tiny_exactness": 0.2, "synthetic_bench": 0.75, "step_timing": 1.0}
 
 
 def python(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python ARGS` from the checkout (a script, or -m MODULE), its output captured."""
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    """`python ARGS` from the checkout (a script, or -m MODULE), its output captured; past
+    `timeout` it is stopped with every process it started (subprocess.TimeoutExpired)."""
+    process = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               stdin=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    try:
+        stdout, stderr = process.communicate(timeout=max(timeout, 1.0))
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """Stop `process` and what it started (its own session): SIGTERM, then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.communicate(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def argv_of(command: tuple[str, ...]) -> list[str]:
@@ -62,101 +93,167 @@ def check_files_and_flags() -> list[str]:
     return missing
 
 
-def device_placement() -> dict:
+def device_placement(work: pathlib.Path, timeout: float) -> dict:
     """The device-placement tests, run for real on the GPU."""
     run = python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device_placement", "tests/engine/test_device_placement.py",
-                 timeout=300, env={"SPECD_PLACEMENT_DEVICE": "cuda"})
-    return {"passed": run.returncode == 0, "summary": run.stdout.strip().splitlines()[-1:]}
+                 timeout=timeout, env={"SPECD_PLACEMENT_DEVICE": "cuda"})
+    return {"passed": run.returncode == 0, "summary": run.stdout.strip().splitlines()[-1:],
+            "failures": run.stdout[-3000:] if run.returncode else ""}
 
 
-def start_stack(target: str, draft: str, dtype: str, log_dir: pathlib.Path) -> tuple[subprocess.Popen, str]:
+def start_stack(target: str, draft: str, dtype: str, log_dir: pathlib.Path, timeout: float) -> tuple[subprocess.Popen, str]:
+    """`specd up` on the GPU in a session of its own; its address once it serves."""
     process = subprocess.Popen(
         [sys.executable, "-m", "specd", "up", "--target", target, "--draft", draft, "--device", "cuda", "--dtype", dtype,
          "--port", "0", "--metrics-port", "-1", "--log-dir", str(log_dir)],
-        cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    for line in process.stdout:
-        if line.startswith("coordinator listening on "):
-            return process, line.split()[-1]
-    raise RuntimeError(f"specd up exited with code {process.wait()}; logs in {log_dir}")
+    timer = threading.Timer(max(timeout, 1.0), kill_group, (process,))  # a stack that never serves
+    timer.start()
+    try:
+        for line in process.stdout:
+            if line.startswith("coordinator listening on "):
+                return process, line.split()[-1]
+    finally:
+        timer.cancel()
+    raise RuntimeError(f"specd up exited with code {process.wait()}: {log_tails(log_dir)}")
 
 
-def tiny_exactness(work: pathlib.Path) -> dict:
+def kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def log_tails(log_dir: pathlib.Path, lines: int = 15) -> dict:
+    """The last lines of each service's log: what the JSON keeps of a stack that failed."""
+    return {log.name: log.read_text(errors="replace").splitlines()[-lines:] for log in sorted(log_dir.glob("*.log"))}
+
+
+def tiny_exactness(work: pathlib.Path, timeout: float) -> dict:
     """The tests' tiny pair on the GPU in float32: greedy off, sd and ssd against the target alone."""
     from tests.tiny_models import save_pair
 
+    deadline = time.monotonic() + timeout
     target, draft = save_pair(work / "tiny")
     prompts = work / "tiny_prompts.json"
     prompts.write_text(json.dumps(["def add(a, b):\n", "for i in range(10):\n", "The quick brown fox", "import os\n"]))
-    process, address = start_stack(target, draft, "float32", work / "tiny-logs")
+    process, address = start_stack(target, draft, "float32", work / "tiny-logs", deadline - time.monotonic())
     try:
         run = python("benchmarks/check_exactness.py", "--address", address, "--prompts-file", str(prompts), "--reference", target,
-                     "--max-new-tokens", "48", "--json", str(work / "exactness.json"), timeout=300)
+                     "--max-new-tokens", "48", "--json", str(work / "exactness.json"), timeout=deadline - time.monotonic() - 30)
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        stop_group(process)
     report = json.loads((work / "exactness.json").read_text()) if (work / "exactness.json").is_file() else {}
-    return {"identical_or_near_tie": run.returncode == 0, "report": report, "tail": run.stdout.strip().splitlines()[-6:]}
+    return {"identical_or_near_tie": run.returncode == 0, "report": report, "tail": run.stdout.strip().splitlines()[-6:],
+            "stderr": run.stderr[-2000:] if run.returncode else ""}
 
 
-def synthetic_bench(work: pathlib.Path, shape: str, residual_scale: float, prompts: int, max_new_tokens: int) -> dict:
-    """The synthetic pair through `specd bench` on the GPU in bfloat16."""
-    made = python("benchmarks/synthetic_pair.py", str(work / "synthetic"), "--shape", shape, "--residual-scale", str(residual_scale),
-                  "--device", "cuda", "--dtype", "bfloat16", timeout=600)
+def synthetic_bench(work: pathlib.Path, timeout: float, shape: str, residual_scale: float, prompts: int, max_new_tokens: int) -> dict:
+    """The synthetic pair through `specd bench` on the GPU in bfloat16: off, sd and ssd on word
+    prompts, and the verify forward timed in-process (no HF assisted generation: two more copies
+    of the target would be load time the check has no use for)."""
+    deadline = time.monotonic() + timeout
+    pair = work / "synthetic"
+    made = python("benchmarks/synthetic_pair.py", str(pair), "--shape", shape, "--residual-scale", str(residual_scale),
+                  "--device", "cuda", "--dtype", "bfloat16", "--prompts", str(prompts), timeout=deadline - time.monotonic())
     if made.returncode != 0:
         return {"built": False, "stderr": made.stderr[-2000:]}
     out = work / "bench.json"
-    run = python("-m", "specd", "bench", "--target", str(work / "synthetic" / "target"), "--draft", str(work / "synthetic" / "draft"),
-                 "--device", "cuda", "--dtype", "bfloat16", "--modes", "off,sd,ssd", "--num-prompts", str(prompts),
-                 "--max-new-tokens", str(max_new_tokens), "--json", str(out), timeout=900)
-    return {"built": True, "bench": json.loads(out.read_text()) if out.is_file() else None, "stderr": run.stderr[-2000:]}
+    run = python("-m", "specd", "bench", "--target", str(pair / "target"), "--draft", str(pair / "draft"),
+                 "--device", "cuda", "--dtype", "bfloat16", "--modes", "off,sd,ssd", "--prompts", str(pair / "prompts.json"),
+                 "--num-prompts", str(prompts), "--max-new-tokens", str(max_new_tokens), "--json", str(out),
+                 timeout=deadline - time.monotonic())
+    return {"built": True, "bench": json.loads(out.read_text()) if out.is_file() else None,
+            "stdout": run.stdout[-3000:], "stderr": run.stderr[-2000:] if run.returncode else ""}
 
 
-def step_timing(target_folder: pathlib.Path, context: int = 512, repeats: int = 20) -> dict:
-    """The target's one-token step and verify of K + 1 tokens on the GPU, against reading its weights once."""
+def step_timing(work: pathlib.Path, timeout: float, context: int = 512, repeats: int = 20) -> dict:
+    """The synthetic target's one-token step and verify of K + 1 tokens on the GPU, against reading
+    its weights once: every parameter but the input embedding, of which a step reads a row a token."""
     import torch
 
     from specd.engine.forward import forward_logits
     from specd.engine.kv_cache import GrowingKVCache
     from specd.engine.loading import load_causal_lm
 
-    model = load_causal_lm(str(target_folder), dtype="bfloat16", device="cuda").model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = load_causal_lm(str(work / "synthetic" / "target"), dtype="bfloat16", device="cuda").model
+    embedding = model.get_input_embeddings().weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embedding.numel() * embedding.element_size()
     times = {}
     for tokens in (1, K + 1):
         samples = []
         for _ in range(repeats):
             cache = GrowingKVCache()
-            forward_logits(model, cache, list(range(1, context + 1)), 1)
-            samples.append(forward_logits(model, cache, list(range(1, tokens + 1)), tokens)[1])
+            forward_logits(model, cache, list(range(2, context + 2)), 1)
+            samples.append(forward_logits(model, cache, list(range(2, tokens + 2)), tokens)[1])
         times[tokens] = sorted(samples)[len(samples) // 2]
     floor_ms = weight_bytes / HBM_BYTES_PER_S * 1000.0
-    return {"weight_bytes": weight_bytes, "floor_ms": floor_ms, "step_ms": times[1], "verify_ms": times[K + 1],
+    return {"weight_bytes_read": weight_bytes, "floor_ms": floor_ms, "step_ms": times[1], "verify_ms": times[K + 1],
             "step_over_floor": times[1] / floor_ms, "verify_over_step": times[K + 1] / times[1], "torch": torch.__version__}
 
 
 def dry_run() -> int:
-    """On a CPU: every file and flag exists, and the synthetic pair builds, saves and loads at a tiny shape."""
+    """On a CPU: every file and flag exists, and the synthetic pair builds, saves, loads and
+    generates words at a tiny shape."""
     problems = check_files_and_flags()
     with tempfile.TemporaryDirectory() as work:
-        made = python("benchmarks/synthetic_pair.py", work, "--shape", "tiny", "--device", "cpu", "--dtype", "float32", timeout=300)
+        made = python("benchmarks/synthetic_pair.py", work, "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                      "--prompts", "2", timeout=300)
         if made.returncode != 0:
             problems.append(f"benchmarks/synthetic_pair.py --shape tiny failed: {made.stderr[-1000:]}")
         else:
+            from benchmarks.synthetic_pair import greedy_smoke
             from specd.engine.loading import load_causal_lm
 
-            for name in ("target", "draft"):
-                load_causal_lm(str(pathlib.Path(work) / name), device="cpu")
+            load_causal_lm(str(pathlib.Path(work) / "draft"), device="cpu")
+            words = [t for t in greedy_smoke(str(pathlib.Path(work) / "target")) if t != 0]
+            if len(words) < 2:
+                problems.append(f"the tiny synthetic target wrote {len(words)} tokens before its end of text")
+            if len(json.loads((pathlib.Path(work) / "prompts.json").read_text())) != 2:
+                problems.append("benchmarks/synthetic_pair.py --prompts 2 did not write 2 prompts")
+    if not (ROOT / "wheels").is_dir() and not os.environ.get("SPECD_WHEELS"):
+        print("gpu_check --dry-run: note: no wheels/ (make gpu-wheels): the GPU machine must have every package", file=sys.stderr)
     for problem in problems:
         print(f"gpu_check --dry-run: {problem}", file=sys.stderr)
     print("gpu_check --dry-run: " + ("ready" if not problems else f"{len(problems)} problems"))
     return 1 if problems else 0
 
 
+def run_steps(args: argparse.Namespace, work: pathlib.Path) -> dict:
+    """Every step in turn, each within its share of the time left; the JSON rewritten after each."""
+    from benchmarks.bench import run_stamp
+
+    deadline = time.monotonic() + args.budget_s
+    report: dict = {"run": run_stamp(), "budget_s": args.budget_s, "missing": check_files_and_flags()}
+    steps = {
+        "device_placement": lambda t: device_placement(work, t),
+        "tiny_exactness": lambda t: tiny_exactness(work, t),
+        "synthetic_bench": lambda t: synthetic_bench(work, t, args.shape, args.residual_scale, args.prompts, args.max_new_tokens),
+        "step_timing": lambda t: step_timing(work, t),
+    }
+    for name, step in steps.items():
+        started = time.monotonic()
+        budget = SHARES[name] * (deadline - started)
+        try:
+            report[name] = step(budget)
+        except subprocess.TimeoutExpired:
+            report[name] = {"error": f"stopped after its {budget:.0f} s"}
+        except Exception as exc:  # noqa: BLE001 - the next steps still run; the JSON says what failed
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        report[name]["seconds"] = round(time.monotonic() - started, 1)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        print(f"gpu_check: {name} done in {report[name]['seconds']} s", flush=True)
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="check, on a CPU, what a run needs (default: run on the GPU)")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "gpu-check", help="folder for the JSON and the work (default: %(default)s)")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "gpu-check", help="folder for gpu_check.json (default: %(default)s)")
+    parser.add_argument("--work", type=pathlib.Path, default=None,
+                        help="where its temporary folder for the models and logs goes, removed at the end (default: the system's)")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time (default: %(default)s)")
     parser.add_argument("--shape", default="llama-3.1-8b", help="the synthetic target's shape (default: %(default)s)")
     parser.add_argument("--residual-scale", type=float, default=0.1, help="the synthetic pair's closeness (default: %(default)s)")
     parser.add_argument("--prompts", type=int, default=4, help="bench prompts on the synthetic pair (default: %(default)s)")
@@ -165,21 +262,11 @@ def main() -> int:
     if args.dry_run:
         return dry_run()
     args.out.mkdir(parents=True, exist_ok=True)
-    from benchmarks.bench import run_stamp
-
-    report: dict = {"run": run_stamp(), "missing": check_files_and_flags()}
-    steps = (("device_placement", device_placement), ("tiny_exactness", lambda: tiny_exactness(args.out)),
-             ("synthetic_bench", lambda: synthetic_bench(args.out, args.shape, args.residual_scale, args.prompts, args.max_new_tokens)),
-             ("step_timing", lambda: step_timing(args.out / "synthetic" / "target")))
-    for name, step in steps:
-        started = time.perf_counter()
-        try:
-            report[name] = step()
-        except Exception as exc:  # noqa: BLE001 - the next steps still run; the JSON says what failed
-            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        report[name]["seconds"] = round(time.perf_counter() - started, 1)
-        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-        print(f"gpu_check: {name} done in {report[name]['seconds']} s", flush=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="specd-gpu-check-", dir=args.work))
+    try:
+        run_steps(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -13,6 +13,7 @@ import tempfile
 
 from specd.cli import connect
 from specd.cli.supervise import stop_processes
+from specd.cli.up import runs_on_gpu
 from specd.engine.default_pair import BENCH_PROMPTS, DEFAULT_DRAFT, DEFAULT_TARGET
 from specd.serving.cpus import describe_cpus, format_cpu_list, stack_layout
 from specd.wire.modes import OFF, SD, SSD
@@ -197,10 +198,14 @@ def run_passes(args, modes: list[str], prompts: list[str], address: str, traced_
     from benchmarks import bench
 
     local = not args.address
-    # The limit's verify forward is timed where the stack's target runs (specd up pins it).
-    target_cpus = stack_layout(args.threads).get("target") if local else None
+    # The limit's verify forward is timed where the stack's target runs: on the CPUs specd up pins
+    # it to on a CPU host, on the GPU on a GPU host.
+    target_cpus = stack_layout(args.threads).get("target") if local and not runs_on_gpu(args.device) else None
     # The in-process baseline gets the threads the two workers have together.
-    hf = bench.HFAssisted(args.target, args.draft, 2 * args.threads, args.threads, args.device, args.dtype) if local else None
+    hf = bench.HFAssisted(args.target, args.draft, 2 * args.threads, args.threads, args.device, args.dtype,
+                          assisted="hf_assisted" in modes) if local else None
+    if hf is not None:  # what auto resolved to, for the JSON
+        args.device, args.dtype = str(hf.device), hf.dtype
     verify_times: list[float] = []  # taken in every pass, under the load the modes see
     runs: dict[str, list] = {m: [] for m in [*modes, *traced_addresses]}
     # TLS and the token are the --address stack's; the stacks started here serve plaintext.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import pathlib
@@ -142,16 +143,33 @@ def prepare_default_target(names: list[str]) -> None:
 
 def visible_gpus() -> int:
     """NVIDIA GPUs the workers would see, found without loading torch: the driver's entries
-    (/proc/driver/nvidia/gpus), as many as CUDA_VISIBLE_DEVICES lets through when it is set."""
+    (/proc/driver/nvidia/gpus, or the /dev/nvidiaN nodes a container may have without /proc's),
+    as many as CUDA_VISIBLE_DEVICES lets through when it is set."""
     try:
         present = len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
-        return 0
+        present = len(glob.glob("/dev/nvidia[0-9]*"))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return present
-    listed = [part.strip() for part in visible.split(",") if part.strip()]
-    return min(present, len(listed)) if "-1" not in listed else 0
+    return min(present, cuda_visible_count(visible))
+
+
+def cuda_visible_count(visible: str) -> int:
+    """How many devices CUDA_VISIBLE_DEVICES names: CUDA reads its list up to the first entry that
+    is not a device (an empty one, -1, a word), so "0,-1,1" is one device and "" none."""
+    count = 0
+    for part in visible.split(","):
+        part = part.strip()
+        if not (part.isdigit() or part.startswith(("GPU-", "MIG-"))):
+            break
+        count += 1
+    return count
+
+
+def runs_on_gpu(device: str, gpus: int | None = None) -> bool:
+    """Whether workers given --device `device` run on a GPU: cuda asked for, or auto with one visible."""
+    return device.startswith("cuda") or (device == "auto" and (visible_gpus() if gpus is None else gpus) > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +194,7 @@ def placement(args: argparse.Namespace) -> Placement:
     GPU of its own when one is left beside the target's ranks; on a CPU host the pinning
     --pin-cpus asks for."""
     gpus = visible_gpus()
-    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and gpus > 0)
-    if not on_gpu:
+    if not runs_on_gpu(args.device, gpus):
         cpus = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
         return Placement(cpus, args.device)
     ranks = args.target_tensor_parallel

@@ -25,9 +25,14 @@ def forward_logits(model, cache, tokens: list[int], num_logits: int) -> tuple[to
 def elapsed_ms(started: float, device) -> float:
     """Milliseconds since `started` (time.perf_counter()), once the device has finished what was
     queued on it (a GPU runs a forward after the call returns)."""
+    synchronize(device)
+    return (time.perf_counter() - started) * 1000.0
+
+
+def synchronize(device) -> None:
+    """Wait for what is queued on a GPU (nothing to wait for on a CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - started) * 1000.0
 
 
 def warm_up(model) -> None:

@@ -196,6 +196,18 @@ def _agrees(model, packer: Packer) -> bool:
         got = [g.cpu() for g in got]  # [n, V] each
         if not all(croppable(c) for c in packed):
             return False
-        if not all(torch.allclose(w, g, rtol=1e-4, atol=1e-4) for w, g in zip(want, got)):
+        if not all(_close(w, g, model.dtype) for w, g in zip(want, got)):
             return False
     return True
+
+
+def _close(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The same logits [n, V] to rounding. In float32 within 1e-4. A bfloat16 or float16 model
+    rounds every layer's output, and two forwards that round in other places differ: each row by
+    up to 6 units of the dtype's last place, relative to the row's norm. On the default target in
+    bfloat16, rounding alone (positions shifted by one, which rotary attention cannot see) moved a
+    row by at most 0.018 of its norm, one wrongly visible token by up to 0.095."""
+    if dtype == torch.float32:
+        return torch.allclose(want, got, rtol=1e-4, atol=1e-4)
+    rows = (want - got).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)  # [n]
+    return bool(rows.max() <= 6 * torch.finfo(dtype).eps)

@@ -134,7 +134,8 @@ def test_serve_help_runs(role):
 def test_up_prints_one_address_line_and_stops_everything(tiny_pair, tmp_path):
     target, draft = tiny_pair
     up = subprocess.Popen(
-        [sys.executable, "-m", "specd", "up", "--target", target, "--draft", draft, "--port", "0",
+        # --device cpu: pinned as on a CPU host, on a GPU host too
+        [sys.executable, "-m", "specd", "up", "--target", target, "--draft", draft, "--device", "cpu", "--port", "0",
          "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -274,3 +274,23 @@ def test_a_cpu_host_keeps_its_pinning(monkeypatch, tmp_path):
     services = {s.name: s.argv for s in up.build_services(_args(), {"coordinator": 1, "target": 2, "draft": 3}, tmp_path)}
     assert services["target"][-2:] == ["--cpus", "0"] and services["draft"][-2:] == ["--cpus", "1"]
     assert services["draft"][services["draft"].index("--device") + 1] == "auto"
+
+
+@pytest.mark.parametrize("visible, count", [("0,1", 2), ("1", 1), ("", 0), ("-1", 0), ("0,-1,1", 1), ("0,,1", 1),
+                                            (" 2 , 3 ", 2), ("GPU-8a1b,GPU-77c2", 2), ("nvidia0", 0)])
+def test_cuda_visible_devices_is_read_as_cuda_reads_it(visible, count):
+    from specd.cli import up
+
+    assert up.cuda_visible_count(visible) == count
+
+
+def test_visible_gpus_are_those_present_that_cuda_visible_devices_lets_through(monkeypatch):
+    from specd.cli import up
+
+    monkeypatch.setattr(up.os, "listdir", lambda path: ["0000:01:00.0", "0000:02:00.0"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert up.visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,-1")
+    assert up.visible_gpus() == 1
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert up.visible_gpus() == 2

@@ -94,6 +94,21 @@ def test_models_packing_does_not_fit_are_refused():
         assert enable_packing(transformers.AutoModelForCausalLM.from_config(config).eval()) is None, kind
 
 
+def test_a_bfloat16_model_keeps_packing_and_its_check_still_sees_a_wrong_mask(model):
+    """Packing's self-check compares half-precision logits to their rounding: a bfloat16 model (a
+    GPU worker's default) still packs, and a row that sees one token too many still fails it."""
+    from specd.engine.packed_forward import _close
+
+    half = build_llama(384, seed=3).eval().to(torch.bfloat16)
+    assert enable_packing(half) is not None
+    tokens = list(range(40, 49))
+    want = _lone(half, None, tokens)  # [9, V]
+    rounded = _lone(half, None, tokens, positions=list(range(1, 10)))  # same logits, rounded elsewhere
+    one_too_many = _lone(half, None, [7, *tokens])[1:]  # every row sees a token from before
+    assert _close(want[1:], rounded[1:], torch.bfloat16)
+    assert not _close(want, one_too_many, torch.bfloat16)
+
+
 @pytest.fixture(scope="module")
 def runners(tiny_pair):
     """The same target twice: one verifies in batches, the other one session at a time."""

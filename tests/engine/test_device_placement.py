@@ -23,15 +23,25 @@ from specd.core.verify import greedy_verify, rejection_sample
 from specd.engine.forward import forward_logits
 from specd.engine.kv_cache import GrowingKVCache
 from specd.engine.lean_llama import LeanLlama
-from specd.engine.packed_forward import Packer, Segment
+from specd.engine.packed_forward import Packer, Segment, _mask
 from specd.engine.session_cache import Session
 from target_service.runner import VerifyCall, verify_logits
 from tests.tiny_models import build_llama
 
 pytestmark = pytest.mark.device_placement
 
-# meta here; tools/gpu_check.sh runs the same tests on the GPU (SPECD_PLACEMENT_DEVICE=cuda).
-DEVICE = torch.device(os.environ.get("SPECD_PLACEMENT_DEVICE", "meta"))
+
+
+def _device() -> torch.device:
+    """meta here; tools/gpu_check.sh runs the same tests on the GPU (SPECD_PLACEMENT_DEVICE=cuda),
+    where tensors report the index of the device they are on (cuda:0)."""
+    device = torch.device(os.environ.get("SPECD_PLACEMENT_DEVICE", "meta"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+DEVICE = _device()
 VOCAB = 96
 SAMPLED = SamplingSettings(temperature=0.8, top_k=20, top_p=0.9, seed=7, repetition_penalty=1.3)
 
@@ -74,7 +84,10 @@ def test_a_packed_forward_builds_its_masks_on_the_device(model):
 
 def test_a_packed_forward_under_eager_attention_builds_its_additive_masks_there(model):
     packer = Packer(model, "eager")  # each segment through transformers' eager attention, given an additive mask
-    logits, _ = packer.forward([Segment(GrowingKVCache(), [1, 2, 3], 3), Segment(_cached(model, [4, 5]), [6, 7], 2)])
+    cached = _cached(model, [4, 5])
+    step = Segment(cached, [6, 7], 2)
+    assert _mask(step, cached.get_seq_length(), model.device).device == DEVICE  # meta would accept a CPU mask here
+    logits, _ = packer.forward([Segment(GrowingKVCache(), [1, 2, 3], 3), step])
     assert all(row.device == DEVICE for row in logits)
 
 
