@@ -289,7 +289,7 @@ def report(summary: dict, args, verify_samples: int, target_cpus) -> None:
     print(bench.format_table(summary))
     verify_ms, limit = summary["verify_ms"], summary["ssd_limit_tokens_per_s"]
     if verify_ms is not None:
-        where = f"on {describe_cpus(target_cpus)} as the stack's target, " if target_cpus else ""
+        where = f"on {describe_cpus(target_cpus)} as the stack's target, " if target_cpus else f"on {args.device}, "
         print(f"verify forward (K+1={args.num_speculative_tokens + 1} tokens, in-process, {where}prompt + "
               f"{args.max_new_tokens // 2} tokens of context, median of {verify_samples} over the passes): {verify_ms:.2f} ms")
     else:
