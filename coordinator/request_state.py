@@ -17,6 +17,7 @@ from coordinator.policy import SpeculationPolicy
 from coordinator.round_trace import RoundTrace
 from coordinator.workers import WorkerSession
 from specd.core.sampling import SamplingSettings
+from specd.wire.modes import OFF, SSD
 
 
 @dataclasses.dataclass
@@ -36,8 +37,13 @@ class RequestState:
     draft_session: WorkerSession = dataclasses.field(init=False)  # what the draft was sent of it
 
     def __post_init__(self) -> None:
-        self.target_session = WorkerSession(self.session_id)
-        self.draft_session = WorkerSession(self.session_id)
+        # The target caches at most the longest committed history and a verify's drafts past it,
+        # a verify ahead's too; the draft also writes its speculation tree's branches.
+        k = self.policy.asked_k if self.mode != OFF else 0
+        target_tokens = self.max_len + 2 * (k + 1)
+        tree_tokens = self.policy.profile.ssd_budget * (k + 1) if self.mode == SSD else 0
+        self.target_session = WorkerSession(self.session_id, reserve_tokens=target_tokens)
+        self.draft_session = WorkerSession(self.session_id, reserve_tokens=target_tokens + tree_tokens)
 
     @property
     def mode(self) -> str:

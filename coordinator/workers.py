@@ -30,6 +30,7 @@ class WorkerSession:
     """One request's session on one worker: how much of the committed history it was sent."""
 
     session_id: str
+    reserve_tokens: int = 0  # the most tokens the worker's cache will hold for it: its KV room, asked at open
     sent: int = 0
     call_ms: float | None = None  # wall time of the latest call answered through synced_call
     ended: bool = False  # the request is over and its EndSession sent: no call may open it again
@@ -40,7 +41,7 @@ class WorkerSession:
         self.caught_up.set()
 
     def committed_tail(self, committed: list[int]) -> common_pb2.CommittedTokens:
-        return common_pb2.CommittedTokens(start=self.sent, token_ids=committed[self.sent :])
+        return common_pb2.CommittedTokens(start=self.sent, token_ids=committed[self.sent :], reserve_tokens=self.reserve_tokens)
 
     def answered(self, committed: list[int], cached: int | None) -> None:
         """The worker answered a call sent `committed`; the next call continues from what it caches

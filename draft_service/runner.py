@@ -45,9 +45,10 @@ class DraftModelRunner:
             path for path, taken in (("lean_forward", self.model is not loaded.model), ("packed_forward", self.packer is not None)) if taken
         )
 
-    def prefill(self, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:
-        """Cache every committed token but the last; returns (cached tokens, forward ms)."""
-        return prefill_session(self.model, self.sessions.open(session_id, start), start, tokens)
+    def prefill(self, session_id: str, start: int, tokens: list[int], reserve_tokens: int = 0) -> tuple[int, float]:
+        """Cache every committed token but the last; returns (cached tokens, forward ms).
+        reserve_tokens, here and below: the KV room a session the call opens reserves."""
+        return prefill_session(self.model, self.sessions.open(session_id, start, reserve_tokens), start, tokens)
 
     def propose_job(
         self,
@@ -59,10 +60,11 @@ class DraftModelRunner:
         max_support: int,
         saguaro_c: float = 1.0,
         saguaro_fanout: list[int] | None = None,
+        reserve_tokens: int = 0,
     ) -> Job:
         """Propose as a step job: one forward per draft token."""
         saguaro_fanout = saguaro_fanout or []
-        session = self.sessions.open(session_id, start)
+        session = self.sessions.open(session_id, start, reserve_tokens)
         committed, feed = session.sync(start, tokens)
         support = max_support or self.max_support
         copier = self.copy.over(committed)
@@ -105,9 +107,10 @@ class DraftModelRunner:
         saguaro_fanout: list[int],
         cancel: threading.Event,
         on_guesses=None,
+        reserve_tokens: int = 0,
     ) -> Job:
         """Speculate as a step job: step 0, then one forward per tree step."""
-        session = self.sessions.open(session_id, start)
+        session = self.sessions.open(session_id, start, reserve_tokens)
         committed, feed = session.sync(start, tokens)
         return (yield from build_steps(
             self.model,

@@ -8,11 +8,11 @@ from draft_service.config import DraftConfig
 from draft_service.runner import DraftModelRunner
 from draft_service.servicer import DraftServicer
 from specd.engine.loading import LoadedModel
-from specd.engine.session_cache import SessionStore
 from specd.serving.server import RunningService
 from specd.v1 import draft_pb2, draft_pb2_grpc
 from specd.worker.loading import load_prepared
 from specd.worker.server import start_worker
+from specd.worker.sessions import session_store
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
 def load_runner(config: DraftConfig) -> DraftModelRunner:
     prepared = load_prepared("draft", config, halved=config.few_row_bf16, adjust=_drop_padded_rows)
-    sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
+    sessions = session_store(config, prepared.loaded)
     return DraftModelRunner(
         prepared.loaded, sessions, config.max_support, config.copy_drafting(), backend=prepared.backend,
         fast_paths=prepared.fast_paths, lean=prepared.lean_forward,

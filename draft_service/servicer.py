@@ -101,6 +101,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
             sampling,
             request.max_support,
             *_saguaro(request.saguaro),
+            reserve_tokens=request.committed.reserve_tokens,
         )
         run = asyncio.wrap_future(self._step_batcher(runner).start(job, request.session_id))
         proposal = await self._traced("spec_propose", run, lambda p: {"forward_ms": p.forward_ms}, num_tokens=request.num_tokens)
@@ -185,6 +186,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
             *call.saguaro,
             cancel,
             on_guesses,
+            request.committed.reserve_tokens,
         )
         run = asyncio.wrap_future(self._step_batcher(call.runner).start(job, request.session_id))
         return asyncio.ensure_future(self._traced(

@@ -28,6 +28,7 @@ from specd.core.logits import penalize_seen, seen_ids
 from specd.core.saguaro import reshape_sorted
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
 from specd.engine.forward import elapsed_ms, forward_logits
+from specd.engine.host_copy import to_host
 from specd.engine.kv_cache import croppable
 from specd.engine.packed_forward import Segment
 from specd.engine.session_cache import Session
@@ -81,7 +82,7 @@ def draft_distributions(
     """
     if sampling.greedy:
         return [SparseDist(token_ids=[t], probs=[1.0]) for t in logits.argmax(-1).tolist()]
-    kept, indices = truncated_probs(logits, sampling, max_support, saguaro_c, saguaro_f)  # [R, N] each
+    kept, indices = to_host(*truncated_probs(logits, sampling, max_support, saguaro_c, saguaro_f))  # [R, N] each
     dists = []
     for ids, values in zip(indices.tolist(), kept.tolist()):
         if values[-1] > 0:

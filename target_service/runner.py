@@ -25,6 +25,7 @@ from specd.core.tokenizer_spec import TokenizerSpec
 from specd.core.verify import VerifyResult, greedy_verify, rejection_sample
 from specd.engine.batcher import AGAIN, Again
 from specd.engine.forward import forward_logits
+from specd.engine.host_copy import to_host
 from specd.engine.loading import LoadedModel
 from specd.engine.packed_forward import Segment, enable_packing
 from specd.engine.session_cache import Session, SessionStore
@@ -53,6 +54,7 @@ class VerifyCall:
     dists: list[SparseDist]  # q of each draft token; empty when greedy
     sampling: SamplingSettings
     return_logprobs: bool
+    reserve_tokens: int = 0  # KV room a session this call opens reserves (CommittedTokens.reserve_tokens)
 
     @property
     def num_draft(self) -> int:
@@ -66,6 +68,7 @@ class PrefillCall:
     session_id: str
     start: int
     tokens: list[int]  # the committed tail, from position `start`
+    reserve_tokens: int = 0  # KV room a session this call opens reserves (CommittedTokens.reserve_tokens)
 
 
 Call = VerifyCall | PrefillCall
@@ -185,7 +188,7 @@ class TargetModelRunner:
         return self._decide(joined, logits, forward_ms)
 
     def _sync(self, call: Call) -> _Synced:
-        session = self.sessions.open(call.session_id, call.start)
+        session = self.sessions.open(call.session_id, call.start, call.reserve_tokens)
         committed, feed = session.sync(call.start, call.tokens)
         if isinstance(call, PrefillCall):
             return _Synced(call, session, feed[:-1], 1, len(committed))
@@ -217,18 +220,16 @@ class TargetModelRunner:
         # The committed tokens, for a repetition penalty: the cache holds them all by now.
         history = joined.session.cached_tokens[: joined.first_position] if call.sampling.penalizes else []
         result = verify_logits(call, logits, history, joined.first_position)
-        accepted = int(result.accepted[0])
-        next_token = int(result.next_token[0])
-        logprobs: list[float] = []
+        wanted = [result.accepted, result.next_token, result.is_bonus]  # [1] each
         if call.return_logprobs:
-            emitted = torch.tensor(call.draft_tokens[:accepted] + [next_token], device=logits.device)  # [k+1]
-            raw_logprobs = logits[: accepted + 1].log_softmax(-1)  # [k+1, V]: the model's own, before any penalty
-            logprobs = raw_logprobs.gather(-1, emitted.unsqueeze(-1)).squeeze(-1).tolist()
+            wanted.append(emitted_logprobs(call.draft_tokens, logits, result))
+        read = to_host(*wanted)  # one wait for all of them
+        accepted = int(read[0][0])
         return VerifyOutcome(
             accepted=accepted,
-            next_token=next_token,
-            is_bonus=bool(result.is_bonus[0]),
-            logprobs=logprobs,
+            next_token=int(read[1][0]),
+            is_bonus=bool(read[2][0]),
+            logprobs=read[3][: accepted + 1].tolist() if call.return_logprobs else [],
             forward_ms=forward_ms,
             cached_tokens=len(joined.session.cached_tokens),
         )
@@ -258,6 +259,17 @@ def verify_logits(call: VerifyCall, logits: torch.Tensor, history: list[int], fi
     accept_u = keyed_uniforms(seed, first_position, num_draft, Purpose.ACCEPT, device)  # [K]
     sample_u = keyed_uniforms(seed, first_position, num_draft + 1, Purpose.SAMPLE, device)  # [K+1]
     return rejection_sample(target_probs, draft_probs, draft, accept_u.unsqueeze(0), sample_u.unsqueeze(0))
+
+
+def emitted_logprobs(draft_tokens: list[int], logits: torch.Tensor, result: VerifyResult) -> torch.Tensor:
+    """The model's own log-probability (before any penalty) of the token each row of a verify's
+    logits [K+1, V] emits if the verify accepts up to it: row j < k its d_{j+1}, row k the next
+    token; [K+1], on the logits' device (rows past k mean nothing)."""
+    rows, device = logits.shape[0], logits.device
+    candidates = torch.tensor(draft_tokens + [0], dtype=torch.long, device=device)  # [K+1]
+    row = torch.arange(rows, device=device)  # [K+1]
+    emitted = torch.where(row == result.accepted[0], result.next_token[0], candidates)  # [K+1]
+    return logits.log_softmax(-1).gather(-1, emitted.unsqueeze(-1)).squeeze(-1)  # [K+1]
 
 
 def _outcome_or_error(run, *args) -> VerifyOutcome | Prefilled | Again | BaseException:

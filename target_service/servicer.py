@@ -160,7 +160,10 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
                 if not any(t == token and p > 0 for t, p in zip(dist.token_ids, dist.probs)):
                     raise InvalidRequest(f"draft_tokens[{i}] is not in the support of draft_probs[{i}]")
                 dists.append(dist)
-        return VerifyCall(request.session_id, request.committed.start, tokens, draft_tokens, dists, sampling, request.return_logprobs)
+        return VerifyCall(
+            request.session_id, request.committed.start, tokens, draft_tokens, dists, sampling, request.return_logprobs,
+            request.committed.reserve_tokens,
+        )
 
     @rpc_edge
     async def Prefill(self, request, context):
@@ -168,7 +171,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         runner = self._ready_runner()
         self._check_open_session_id(request.session_id)
         tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
-        call = PrefillCall(request.session_id, request.committed.start, tokens)
+        call = PrefillCall(request.session_id, request.committed.start, tokens, request.committed.reserve_tokens)
         cached, forward_ms = await asyncio.wrap_future(self._batcher.submit(call))
         return self.prefill_response(cached_tokens=cached, forward_ms=forward_ms)
 

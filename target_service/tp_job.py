@@ -22,8 +22,8 @@ from specd.core.config import ConfigError
 from specd.engine.backends import backend_for
 from specd.engine.forward import warm_up
 from specd.engine.loading import load_causal_lm
-from specd.engine.session_cache import SessionStore
 from specd.engine.tokenizer_export import export_tokenizer_or_none
+from specd.worker.sessions import session_store
 from target_service.config import TargetConfig
 from target_service.runner import TargetModelRunner
 
@@ -173,7 +173,7 @@ def load_local_runner(config: TargetConfig, job: Job) -> TargetModelRunner:
     )
     warm_up(loaded.model)
     dist.barrier(group=job.command_group)
-    sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
+    sessions = session_store(config, loaded, shards=job.world_size, admits=job.rank == 0)
     # Sharded weights are not plain tensors: the backend's fast paths do not apply to them.
     spec = export_tokenizer_or_none(loaded.tokenizer) if job.rank == 0 else None  # rank 0 answers Info
     return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=backend.name, tokenizer_spec=spec)

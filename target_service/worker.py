@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Callable
 
 from specd.core.config import ConfigError
-from specd.engine.session_cache import SessionStore
 from specd.engine.tokenizer_export import export_tokenizer_or_none
 from specd.serving.server import RunningService
 from specd.v1 import target_pb2, target_pb2_grpc
 from specd.worker.loading import load_prepared
 from specd.worker.server import start_worker
+from specd.worker.sessions import session_store
 from target_service.config import TargetConfig
 from target_service.prefill_pacing import FIRST_CHUNK_TOKENS, PrefillPacer
 from target_service.runner import TargetModelRunner
@@ -24,7 +24,7 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     if config.tensor_parallel > 1:
         raise ConfigError("a tensor-parallel target starts through target_service.tensor_parallel.serve")
     prepared = load_prepared("target", config)
-    sessions = SessionStore(config.max_sessions, config.session_idle_timeout_s)
+    sessions = session_store(config, prepared.loaded)
     return TargetModelRunner(
         prepared.loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=prepared.backend,
         fast_paths=prepared.fast_paths, tokenizer_spec=export_tokenizer_or_none(prepared.loaded.tokenizer),

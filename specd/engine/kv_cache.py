@@ -8,9 +8,15 @@ each layer's keys and values in a buffer with spare room, writes new entries int
 attention a view of the filled part; rolling back only moves the fill mark. The arithmetic is
 unchanged: attention reads the same numbers, so the logits are bitwise those of DynamicLayer
 (tests/engine/test_kv_cache.py checks).
+
+A worker session's cache is made with room for the most tokens its request can reach (the
+coordinator says how many when it opens the session), so that its buffers are allocated once,
+at the first forward, and never copied to grow; a cache that outgrows its reservation doubles.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import DynamicCache
@@ -20,7 +26,14 @@ _MIN_CAPACITY = 256  # tokens: most requests never reallocate
 
 
 class GrowingLayer(DynamicLayer):
-    """DynamicLayer semantics (full attention, croppable) over a buffer that doubles when full."""
+    """DynamicLayer semantics (full attention, croppable) over a buffer that doubles when full.
+
+    reserve_tokens: the first buffer's capacity, when larger than what the first write needs.
+    """
+
+    def __init__(self, reserve_tokens: int = 0):
+        super().__init__()
+        self.reserve_tokens = reserve_tokens
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -44,8 +57,9 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        """New buffers with room for twice `needed` tokens, holding what is cached so far."""
-        capacity = max(_MIN_CAPACITY, 2 * needed)
+        """New buffers with room for the reservation, or for twice `needed` tokens past it,
+        holding what is cached so far."""
+        capacity = self.reserve_tokens if needed <= self.reserve_tokens else max(_MIN_CAPACITY, 2 * needed)
         keys = key_states.new_empty(key_states.shape[:-2] + (capacity, key_states.shape[-1]))  # [b, h, cap, d]
         values = value_states.new_empty(value_states.shape[:-2] + (capacity, value_states.shape[-1]))
         if self.length:
@@ -57,6 +71,11 @@ class GrowingLayer(DynamicLayer):
         self.length = length
         self.keys = self.key_buffer[..., :length, :]  # [b, h, length, d]: a view, no copy
         self.values = self.value_buffer[..., :length, :]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the buffers hold room for (0 before the first write)."""
+        return 0 if self.key_buffer is None else self.key_buffer.shape[-2]
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -87,11 +106,19 @@ class GrowingLayer(DynamicLayer):
 
 class GrowingKVCache(DynamicCache):
     """A DynamicCache whose layers are GrowingLayers, added as the model first writes them: a
-    worker session's cache, and the draft recipe's batched generation's."""
+    worker session's cache, and the draft recipe's batched generation's.
 
-    def __init__(self):
+    reserve_tokens: each layer's first capacity (0: what the first write needs, doubled, at least
+    _MIN_CAPACITY).
+    """
+
+    def __init__(self, reserve_tokens: int = 0):
         super().__init__()
-        self.layer_class_to_replicate = GrowingLayer
+        self.layer_class_to_replicate = functools.partial(GrowingLayer, reserve_tokens)
+
+    def capacity_tokens(self) -> int:
+        """Tokens of room each layer holds (the largest, should layers differ)."""
+        return max((layer.capacity for layer in self.layers if isinstance(layer, GrowingLayer)), default=0)
 
 
 def croppable(cache: DynamicCache) -> bool:

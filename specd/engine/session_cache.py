@@ -4,6 +4,10 @@ A worker holds caches only. Each request names the committed history from some
 absolute position on; the session joins it to the tokens it has cached, keeps the
 longest common prefix (rolling back rejected draft tokens instead of recomputing
 the prefix) and reports what still has to be fed to the model.
+
+A session is opened with room reserved for the most tokens its request can reach; the store
+admits it only while the reservations fit the worker's KV budget in bytes (KVBudget), beside
+its cap on the count of sessions.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from transformers import DynamicCache
 
 from specd.core.errors import SessionNotFound, SessionStale, TooManySessions
+from specd.engine.kv_budget import KVBudget
 from specd.engine.kv_cache import GrowingKVCache, croppable
 
 
@@ -23,6 +28,16 @@ class Session:
     cache: DynamicCache
     cached_tokens: list[int] = dataclasses.field(default_factory=list)  # ids whose KV is in `cache`
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    reserve_tokens: int = 0  # the room its caches are made with (0: grown as written)
+
+    @classmethod
+    def reserved(cls, reserve_tokens: int) -> "Session":
+        return cls(cache=GrowingKVCache(reserve_tokens), reserve_tokens=reserve_tokens)
+
+    def held_tokens(self) -> int:
+        """Tokens of KV room the session holds or has reserved, whichever is more."""
+        held = self.cache.capacity_tokens() if isinstance(self.cache, GrowingKVCache) else self.cache.get_seq_length()
+        return max(self.reserve_tokens, held)
 
     def sync(self, start: int, tokens: list[int]) -> tuple[list[int], list[int]]:
         """Join the committed tail to the cache; return (committed history, tokens to feed).
@@ -51,13 +66,13 @@ class Session:
             self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to drop
         else:
             # Sliding-window or linear-attention layers cannot roll back: recompute.
-            self.cache = GrowingKVCache()
+            self.cache = GrowingKVCache(self.reserve_tokens)
             keep = 0
         del self.cached_tokens[keep:]
 
     def reset(self) -> None:
         """Forget everything cached (a forward failed part-way: no layer's entries can be trusted)."""
-        self.cache = GrowingKVCache()
+        self.cache = GrowingKVCache(self.reserve_tokens)
         self.cached_tokens = []
 
     def extend(self, tokens: list[int]) -> None:
@@ -74,16 +89,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class SessionStore:
-    """Sessions by id, with an idle timeout and a cap; safe to call from any thread."""
+    """Sessions by id, with an idle timeout, a cap on their count and, with a KVBudget, on the KV
+    bytes they hold; safe to call from any thread."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, kv_budget: KVBudget | None = None):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._max_sessions = max_sessions
         self._idle_timeout_s = idle_timeout_s
+        self.kv_budget = kv_budget or KVBudget()
 
-    def open(self, session_id: str, start: int) -> Session:
-        """The session to continue; a new one when the request starts at position 0."""
+    def open(self, session_id: str, start: int, reserve_tokens: int = 0) -> Session:
+        """The session to continue; a new one, with room for `reserve_tokens` (clamped to the
+        budget's most), when the request starts at position 0."""
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
@@ -95,10 +113,20 @@ class SessionStore:
                     raise TooManySessions(
                         f"this worker holds its maximum of {self._max_sessions} sessions; retry later"
                     )
-                session = Session(cache=GrowingKVCache())
+                reserve_tokens = self.kv_budget.clamp(reserve_tokens)
+                self.kv_budget.admit(reserve_tokens, self._held_tokens())
+                session = Session.reserved(reserve_tokens)
                 self._sessions[session_id] = session
             session.last_used = time.monotonic()
             return session
+
+    def _held_tokens(self) -> int:
+        return sum(session.held_tokens() for session in self._sessions.values())
+
+    def held_bytes(self) -> int:
+        """KV bytes the sessions hold or have reserved (what the budget counts)."""
+        with self._lock:
+            return self.kv_budget.bytes_for(self._held_tokens())
 
     @property
     def max_sessions(self) -> int:

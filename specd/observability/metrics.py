@@ -9,7 +9,6 @@ length = 1 + accepted / drafts. prometheus_client appends `_total` to counter na
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -60,6 +59,13 @@ class WorkerMetrics(ServiceMetrics):
         self.active_sessions = Gauge(
             "specd_active_sessions", "sessions (KV caches) this worker holds", registry=self.registry
         )
+        self.kv_cache_bytes = Gauge(
+            "specd_kv_cache_bytes", "KV cache bytes this worker's sessions hold or have reserved", registry=self.registry
+        )
+        self.kv_cache_budget_bytes = Gauge(
+            "specd_kv_cache_budget_bytes", "KV cache bytes sessions may hold or reserve (--kv-cache-bytes; 0: no limit)",
+            registry=self.registry,
+        )
         self.forward_seconds = Histogram(
             "specd_forward_seconds",
             "time of one call's model forwards on this worker",
@@ -81,8 +87,11 @@ class WorkerMetrics(ServiceMetrics):
             registry=self.registry,
         )
 
-    def track_sessions(self, count: Callable[[], int]) -> None:
-        self.active_sessions.set_function(count)
+    def track_sessions(self, store) -> None:
+        """Follow a worker's specd.engine.session_cache.SessionStore: its sessions and their KV bytes."""
+        self.active_sessions.set_function(lambda: len(store))
+        self.kv_cache_bytes.set_function(store.held_bytes)
+        self.kv_cache_budget_bytes.set(store.kv_budget.budget_bytes)
 
     def report_backend(self, backend: str, fast_paths) -> None:
         self.backend_info.labels(role=self.role, backend=backend, fast_paths=",".join(fast_paths)).set(1)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"\xca\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"3\n\x0f\x43ommittedTokens\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xcd\x01\n\rTokenizerSpec\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x15\n\rchat_template\x18\x02 \x01(\t\x12\x1f\n\x17template_variables_json\x18\x03 \x01(\t\x12$\n\x1c\x63lean_up_tokenization_spaces\x18\x04 \x01(\x08\x12(\n\x06probes\x18\x05 \x03(\x0b\x32\x18.specd.v1.TokenizerProbe\x12\x1c\n\x14split_special_tokens\x18\x06 \x01(\x08\"U\n\x0eTokenizerProbe\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tchat_json\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0f\n\x07\x64\x65\x63oded\x18\x04 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"\xca\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"K\n\x0f\x43ommittedTokens\x12\r\n\x05start\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0ereserve_tokens\x18\x03 \x01(\r\"\xcd\x01\n\rTokenizerSpec\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\t\x12\x15\n\rchat_template\x18\x02 \x01(\t\x12\x1f\n\x17template_variables_json\x18\x03 \x01(\t\x12$\n\x1c\x63lean_up_tokenization_spaces\x18\x04 \x01(\x08\x12(\n\x06probes\x18\x05 \x03(\x0b\x32\x18.specd.v1.TokenizerProbe\x12\x1c\n\x14split_special_tokens\x18\x06 \x01(\x08\"U\n\x0eTokenizerProbe\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tchat_json\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0f\n\x07\x64\x65\x63oded\x18\x04 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPARSEDISTRIBUTION']._serialized_start=240
   _globals['_SPARSEDISTRIBUTION']._serialized_end=294
   _globals['_COMMITTEDTOKENS']._serialized_start=296
-  _globals['_COMMITTEDTOKENS']._serialized_end=347
-  _globals['_TOKENIZERSPEC']._serialized_start=350
-  _globals['_TOKENIZERSPEC']._serialized_end=555
-  _globals['_TOKENIZERPROBE']._serialized_start=557
-  _globals['_TOKENIZERPROBE']._serialized_end=642
+  _globals['_COMMITTEDTOKENS']._serialized_end=371
+  _globals['_TOKENIZERSPEC']._serialized_start=374
+  _globals['_TOKENIZERSPEC']._serialized_end=579
+  _globals['_TOKENIZERPROBE']._serialized_start=581
+  _globals['_TOKENIZERPROBE']._serialized_end=666
 # @@protoc_insertion_point(module_scope)

@@ -29,12 +29,14 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CommittedTokens(_message.Message):
-    __slots__ = ("start", "token_ids")
+    __slots__ = ("start", "token_ids", "reserve_tokens")
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizerSpec(_message.Message):
     __slots__ = ("tokenizer_json", "chat_template", "template_variables_json", "clean_up_tokenization_spaces", "probes", "split_special_tokens")

@@ -40,6 +40,12 @@ class WorkerConfig:
     )
     cpus: str = setting("", "CPUs to run on, as a list like 0 or 0-3,6 (empty: any the OS picks)")
     max_sessions: int = setting(64, "most sessions (KV caches) held at once")
+    kv_cache_bytes: int = setting(
+        -1,
+        "KV cache budget in bytes: a session is opened only when the room it reserves (its request's most tokens) "
+        "fits beside the others', else RESOURCE_EXHAUSTED (-1: on a GPU 80% of the memory free once the model is "
+        "loaded, on a CPU no limit; 0: no limit)",
+    )
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
     retired_session_memory_s: float = setting(
         30.0,
@@ -58,6 +64,8 @@ class WorkerConfig:
         check_cpus(self.cpus)
         if self.max_sessions < 1:
             raise ConfigError("--max-sessions must be >= 1")
+        if self.kv_cache_bytes < -1:
+            raise ConfigError("--kv-cache-bytes must be -1 (the device's default), 0 (no limit) or a number of bytes")
         if self.max_batch_size < 1:
             raise ConfigError("--max-batch-size must be >= 1")
         if self.batch_wait_ms < 0:

@@ -48,7 +48,7 @@ async def start_worker(
 
     def on_loaded(runner) -> None:
         servicer.runner = runner
-        servicer.metrics.track_sessions(lambda: len(runner.sessions))
+        servicer.metrics.track_sessions(runner.sessions)
         servicer.metrics.report_backend(runner.backend, runner.fast_paths)
         service.background.append(
             asyncio.ensure_future(expire_sessions_forever(thread, runner.expire_idle, every_s=10.0))

@@ -59,7 +59,9 @@ class WorkerServicer:
         runner = self._ready_runner()
         self._check_open_session_id(request.session_id)
         tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
-        cached, forward_ms = await self._thread.run(runner.prefill, request.session_id, request.committed.start, tokens)
+        cached, forward_ms = await self._thread.run(
+            runner.prefill, request.session_id, request.committed.start, tokens, request.committed.reserve_tokens
+        )
         self._observe("prefill", forward_ms)
         return self.prefill_response(cached_tokens=cached, forward_ms=forward_ms)
 

@@ -1,0 +1,65 @@
+"""A target worker with --kv-cache-bytes: the session a call opens reserves the room its
+CommittedTokens.reserve_tokens asks; one that does not fit beside the others is refused
+RESOURCE_EXHAUSTED, and a coordinator's requests, which reserve their most tokens, run within it."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specd.engine.kv_budget import kv_bytes_per_token
+from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specd.v1 import coordinator_pb2 as pb
+from tests.conftest import CALL_TIMEOUT_S, load_reference, request, running_stack
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+BUDGET_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def per_token(tiny_pair):
+    model, _tokenizer = load_reference(tiny_pair[0])
+    return kv_bytes_per_token(model)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_pair, per_token):
+    with running_stack(*tiny_pair, target_overrides=dict(kv_cache_bytes=BUDGET_TOKENS * per_token)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def target(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{stack.target.port}") as channel:
+        yield target_pb2_grpc.TargetWorkerStub(channel)
+
+
+def _prefill(target, session_id: str, reserve_tokens: int):
+    committed = common_pb2.CommittedTokens(start=0, token_ids=PROMPT, reserve_tokens=reserve_tokens)
+    return target.Prefill(target_pb2.TargetPrefillRequest(session_id=session_id, committed=committed), timeout=CALL_TIMEOUT_S)
+
+
+def test_a_session_that_does_not_fit_the_budget_is_refused_until_room_frees(target):
+    _prefill(target, "first", 200)
+    with pytest.raises(grpc.RpcError) as refused:
+        _prefill(target, "second", 200)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV cache budget" in refused.value.details() and "200 tokens" in refused.value.details()
+    target.EndSession(target_pb2.TargetEndSessionRequest(session_id="first"), timeout=CALL_TIMEOUT_S)
+    _prefill(target, "second", 200)
+    target.EndSession(target_pb2.TargetEndSessionRequest(session_id="second"), timeout=CALL_TIMEOUT_S)
+
+
+def test_coordinator_requests_reserve_their_most_tokens_within_the_budget(stack, target):
+    """Beside a session holding 200 of the 300 tokens, a request of 6 + 48 tokens runs (it reserves
+    its 54 and two verifies' drafts); one of 6 + 120 does not fit and is told why."""
+    _prefill(target, "holder", 200)
+    try:
+        fits = stack.stub().Generate(request(PROMPT, mode=pb.SPECULATION_MODE_SD, max_new_tokens=48), timeout=CALL_TIMEOUT_S)
+        assert len(fits.token_ids) == 48
+        with pytest.raises(grpc.RpcError) as refused:
+            stack.stub().Generate(request(PROMPT, mode=pb.SPECULATION_MODE_SD, max_new_tokens=120), timeout=CALL_TIMEOUT_S)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV cache budget" in refused.value.details()
+    finally:
+        target.EndSession(target_pb2.TargetEndSessionRequest(session_id="holder"), timeout=CALL_TIMEOUT_S)
