@@ -21,9 +21,9 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
 def load_runner(config: DraftConfig) -> DraftModelRunner:
     prepared = load_prepared("draft", config, halved=config.few_row_bf16, adjust=_drop_padded_rows)
-    sessions = session_store(config, prepared.loaded)
+    sessions, loaded = session_store(config, prepared.loaded)
     return DraftModelRunner(
-        prepared.loaded, sessions, config.max_support, config.copy_drafting(), backend=prepared.backend,
+        loaded, sessions, config.max_support, config.copy_drafting(), backend=prepared.backend,
         fast_paths=prepared.fast_paths, lean=prepared.lean_forward,
     )
 

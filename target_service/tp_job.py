@@ -173,7 +173,7 @@ def load_local_runner(config: TargetConfig, job: Job) -> TargetModelRunner:
     )
     warm_up(loaded.model)
     dist.barrier(group=job.command_group)
-    sessions = session_store(config, loaded, shards=job.world_size, admits=job.rank == 0)
+    sessions, loaded = session_store(config, loaded, shards=job.world_size, admits=job.rank == 0)
     # Sharded weights are not plain tensors: the backend's fast paths do not apply to them.
     spec = export_tokenizer_or_none(loaded.tokenizer) if job.rank == 0 else None  # rank 0 answers Info
     return TargetModelRunner(loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=backend.name, tokenizer_spec=spec)

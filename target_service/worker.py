@@ -24,9 +24,9 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     if config.tensor_parallel > 1:
         raise ConfigError("a tensor-parallel target starts through target_service.tensor_parallel.serve")
     prepared = load_prepared("target", config)
-    sessions = session_store(config, prepared.loaded)
+    sessions, loaded = session_store(config, prepared.loaded)
     return TargetModelRunner(
-        prepared.loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=prepared.backend,
+        loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=prepared.backend,
         fast_paths=prepared.fast_paths, tokenizer_spec=export_tokenizer_or_none(prepared.loaded.tokenizer),
     )
 

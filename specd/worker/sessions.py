@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from specd.engine.kv_budget import KVBudget, budget_bytes, kv_bytes_per_token
@@ -12,14 +13,21 @@ from specd.worker.config import WorkerConfig
 log = logging.getLogger(__name__)
 
 
-def session_store(config: WorkerConfig, loaded: LoadedModel, shards: int = 1, admits: bool = True) -> SessionStore:
-    """The store of --max-sessions sessions within --kv-cache-bytes. `admits`: False for a tensor-parallel
-    follower, which opens the sessions rank 0 admitted (its own free memory may differ a little)."""
+def session_store(config: WorkerConfig, loaded: LoadedModel, shards: int = 1, admits: bool = True) -> tuple[SessionStore, LoadedModel]:
+    """The store of --max-sessions sessions within --kv-cache-bytes, and the model as the worker serves
+    it: where the budget cannot hold one session of the model's whole context, the context served
+    is what it holds (as its Info then says), so that every session fits once others have ended.
+    `admits`: False for a tensor-parallel follower, which opens the sessions rank 0 admitted."""
     per_token = kv_bytes_per_token(loaded.model, shards)
     limit = budget_bytes(config.kv_cache_bytes, loaded.model.device) if admits else 0
-    budget = KVBudget(bytes_per_token=per_token, budget_bytes=limit, max_tokens=loaded.context_length)
     if limit:
-        log.info(
-            "KV cache budget %.0f MiB at %d bytes a token: %d tokens", limit / (1 << 20), per_token, limit // max(per_token, 1)
-        )
-    return SessionStore(config.max_sessions, config.session_idle_timeout_s, budget)
+        budget_tokens = limit // per_token
+        log.info("KV cache budget %.0f MiB at %d bytes a token: %d tokens", limit / (1 << 20), per_token, budget_tokens)
+        if budget_tokens < loaded.context_length:
+            log.warning(
+                "the KV cache budget holds %d tokens, less than the model's context of %d: serving a context of %d tokens",
+                budget_tokens, loaded.context_length, budget_tokens,
+            )
+            loaded = dataclasses.replace(loaded, context_length=budget_tokens)
+    budget = KVBudget(bytes_per_token=per_token, budget_bytes=limit, max_tokens=loaded.context_length)
+    return SessionStore(config.max_sessions, config.session_idle_timeout_s, budget), loaded

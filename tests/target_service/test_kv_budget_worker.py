@@ -1,6 +1,7 @@
 """A target worker with --kv-cache-bytes: the session a call opens reserves the room its
 CommittedTokens.reserve_tokens asks; one that does not fit beside the others is refused
-RESOURCE_EXHAUSTED, and a coordinator's requests, which reserve their most tokens, run within it."""
+RESOURCE_EXHAUSTED, and a coordinator's requests, which reserve their most tokens, run within it.
+A budget smaller than the model's context makes the context the worker serves."""
 
 from __future__ import annotations
 
@@ -34,13 +35,24 @@ def target(stack):
         yield target_pb2_grpc.TargetWorkerStub(channel)
 
 
-def _prefill(target, session_id: str, reserve_tokens: int):
-    committed = common_pb2.CommittedTokens(start=0, token_ids=PROMPT, reserve_tokens=reserve_tokens)
+def test_a_budget_below_the_context_is_the_context_served(target):
+    info = target.Info(target_pb2.TargetInfoRequest(), timeout=CALL_TIMEOUT_S)
+    assert info.context_length == BUDGET_TOKENS
+    with pytest.raises(grpc.RpcError) as refused:
+        _prefill(target, "too-long", 0, tokens=[5] * (BUDGET_TOKENS + 1))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _prefill(target, session_id: str, reserve_tokens: int, tokens: list[int] = PROMPT):
+    committed = common_pb2.CommittedTokens(start=0, token_ids=tokens, reserve_tokens=reserve_tokens)
     return target.Prefill(target_pb2.TargetPrefillRequest(session_id=session_id, committed=committed), timeout=CALL_TIMEOUT_S)
 
 
 def test_a_session_that_does_not_fit_the_budget_is_refused_until_room_frees(target):
     _prefill(target, "first", 200)
+    with pytest.raises(grpc.RpcError) as clamped:
+        _prefill(target, "beyond", 1 << 20)  # a reservation is clamped to the context served: the whole budget
+    assert f"a session of {BUDGET_TOKENS} tokens" in clamped.value.details()
     with pytest.raises(grpc.RpcError) as refused:
         _prefill(target, "second", 200)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
