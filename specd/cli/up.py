@@ -124,12 +124,13 @@ def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
 
 
 def check_models(names: list[str]) -> None:
-    """Fail before starting anything when a model that looks like a path does not exist."""
-    from specd.engine.model_names import resolve
+    """Fail before starting anything when a model cannot load: a path that does not exist, a
+    folder with no model in it, a hub id the hub cannot be reached for."""
+    from specd.engine.model_names import model_source
 
     for name in names:
         if name and name != DEFAULT_TARGET:
-            resolve(name)  # FileNotFoundError: "no such folder: ..."
+            model_source(name)  # FileNotFoundError: "no such folder: ...", "... holds no model ..."
 
 
 def prepare_default_target(names: list[str]) -> None:
