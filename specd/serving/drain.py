@@ -56,11 +56,12 @@ class DrainGate(grpc.aio.ServerInterceptor):
         behavior = wrap(getattr(handler, name))
         return handler if behavior is None else handler._replace(**{name: behavior})
 
-    def _started(self) -> None:
+    def started(self) -> None:
+        """A call began (a front other than gRPC on the same service counts its requests too)."""
         self.running += 1
         self._idle.clear()
 
-    def _ended(self) -> None:
+    def ended(self) -> None:
         self.running -= 1
         if self.running == 0:
             self._idle.set()
@@ -70,24 +71,24 @@ class DrainGate(grpc.aio.ServerInterceptor):
         if inspect.iscoroutinefunction(behavior):
 
             async def counted(arg, context):
-                self._started()
+                self.started()
                 try:
                     return await behavior(arg, context)
                 finally:
-                    self._ended()
+                    self.ended()
 
             return counted
         if inspect.isasyncgenfunction(behavior):
 
             async def counted_stream(arg, context):
-                self._started()
+                self.started()
                 responses = behavior(arg, context)
                 try:
                     async for response in responses:
                         yield response
                 finally:  # the call ended early: the handler's own cleanup runs now, not at GC
                     await responses.aclose()
-                    self._ended()
+                    self.ended()
 
             return counted_stream
         return None

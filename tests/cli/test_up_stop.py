@@ -69,3 +69,17 @@ def test_a_stop_lets_the_running_stream_finish_then_exits_0(tiny_pair, tmp_path,
         made = re.search(r"logs in (\S+)", up.stderr()).group(1)
         assert made.startswith(str(tmp_path)) and not os.path.exists(made), up.stderr()
         assert not [p for p in tmp_path.glob("specd-up-*") if p.is_dir()]
+
+
+def test_a_failed_start_keeps_the_log_folder_and_says_where(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # a model folder at a glance, which the target fails to load
+    up = Up(tmp_path, "--target", str(broken), "--draft", "", "--port", "0", "--metrics-port", "-1", log_dir=False)
+    try:
+        assert up.process.wait(timeout=CALL_TIMEOUT_S) == 1, up.stderr()
+    finally:
+        _stop_up(up)
+    made = re.search(r"logs in (\S+)", up.stderr()).group(1)
+    assert f"a service failed; its logs stay in {made}" in up.stderr(), up.stderr()
+    assert os.path.isfile(os.path.join(made, "target.log"))
