@@ -58,7 +58,8 @@ def add_parser(subparsers) -> None:
                         help="run the target on CPUs of its own and the draft and coordinator on the rest, "
                              "where the machine has a CPU to spare (docs/ssd.md, CPU pinning; default: on; "
                              "--no-pin-cpus leaves every service on any CPU)")
-    parser.add_argument("--log-dir", default="", help="where the services' logs go (default: a new temporary folder)")
+    parser.add_argument("--log-dir", default="", help="where the services' logs go (default: a new temporary folder, removed at exit "
+                                                 "unless a service failed)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for all three to serve (default: %(default)s)")
     parser.set_defaults(run=run)
@@ -199,7 +200,7 @@ def placement(args: argparse.Namespace) -> Placement:
     gpus = visible_gpus()
     if not runs_on_gpu(args.device, gpus):
         cpus = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
-        return Placement({name: cpus for name, cpus in cpus.items() if name != "draft" or args.draft}, args.device)
+        return Placement({name: chosen for name, chosen in cpus.items() if name != "draft" or args.draft}, args.device)
     ranks = args.target_tensor_parallel
     spare = args.device in ("auto", "cuda") and gpus > ranks
     return Placement({}, f"cuda:{ranks}" if spare else args.device)
