@@ -148,11 +148,24 @@ def _prompt_ids(request: coordinator_pb2.GenerateRequest, target: TargetFacts) -
     return _message_ids(request.messages.messages, target)
 
 
+# The roles OpenAI's chat API takes that a chat template renders: chat templates handle system,
+# user and assistant, and tool (a tool's result; Qwen's template wraps it in <tool_response>).
+# "developer" is left out: OpenAI's stand-in for "system" on its own models, which templates
+# (Qwen3's among them) do not know and would drop without a word.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _check_messages(chat, target: TargetFacts, max_bytes: int) -> None:
     if not chat:
         raise InvalidRequest("messages is empty")
     if any(not m.role for m in chat):
         raise InvalidRequest("messages: every message needs a role")
+    unknown = next((m.role for m in chat if m.role not in CHAT_ROLES), None)
+    if unknown is not None:
+        raise InvalidRequest(f"messages: role {unknown[:64]!r} is not one of {', '.join(CHAT_ROLES)}"
+                             + ("; send a developer's instructions as role system" if unknown == "developer" else ""))
+    if not any(m.content for m in chat):
+        raise InvalidRequest("messages: every message's content is empty; a chat needs some text, as a prompt does")
     size = sum(len(m.role.encode("utf-8", "surrogatepass")) + len(m.content.encode("utf-8", "surrogatepass")) for m in chat)
     _check_prompt_bytes(size, max_bytes, "messages (roles and contents together)")
     if not getattr(target.tokenizer, "chat_template", None):

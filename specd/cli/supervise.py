@@ -5,6 +5,10 @@ A worker that dies is restarted on its own port after a delay that doubles with 
 coordinator decodes target-only without its draft and reconnects to a worker that comes back
 (coordinator/workers.py, coordinator/draft_link.py). A coordinator that dies is restarted the
 same way. Each restart is said on stderr. Only stop_all (Ctrl-C, SIGTERM) ends them.
+
+Each service runs in a process group of its own, so that the SIGINT a terminal sends its
+foreground group on Ctrl-C reaches `specd up` alone: stop_all then stops the coordinator first,
+giving it the time it drains in (the requests it runs finish), and the workers after it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Service:
     address: str
     log_path: pathlib.Path
     metrics_url: str = ""  # "" when its /metrics is off
+    stop_timeout_s: float = 15.0  # how long a SIGTERM may take before SIGKILL: its drain time and some
     process: subprocess.Popen | None = None
     started: float = 0.0
     restarts: int = 0
@@ -104,6 +109,7 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                process_group=0,  # the terminal's Ctrl-C reaches `specd up` only, which stops it in order
             )
         service.started, service.serving, service.restart_at = time.monotonic(), False, None
 
@@ -145,12 +151,24 @@ class Supervisor:
             self.watch_once()
             time.sleep(POLL_S)
 
-    def stop_all(self) -> None:
-        stop_processes([s.process for s in self.services.values() if s.process is not None], timeout_s=15)
+    def stop_all(self) -> bool:
+        """The coordinator first (it refuses new requests and lets running ones finish, which
+        need the workers), then the workers. Whether each exited cleanly (code 0)."""
+        started = [s for s in self.services.values() if s.process is not None]
+        clean = True
+        for group in ([s for s in started if s.name == "coordinator"], [s for s in started if s.name != "coordinator"]):
+            if group:
+                codes = stop_processes([s.process for s in group], timeout_s=max(s.stop_timeout_s for s in group))
+                clean = clean and not any(codes)
+        return clean
+
+    def failed(self) -> bool:
+        """Whether a service exited on its own while `specd up` ran (its log tells why)."""
+        return any(s.restarts or s.restart_at is not None for s in self.services.values())
 
 
-def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> None:
-    """SIGTERM to all at once, then SIGKILL to any still running after `timeout_s`."""
+def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> list[int]:
+    """SIGTERM to all at once, then SIGKILL to any still running after `timeout_s`; their exit codes."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
@@ -160,3 +178,4 @@ def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    return [process.returncode for process in processes]

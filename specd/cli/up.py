@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import sys
@@ -57,7 +58,8 @@ def add_parser(subparsers) -> None:
                         help="run the target on CPUs of its own and the draft and coordinator on the rest, "
                              "where the machine has a CPU to spare (docs/ssd.md, CPU pinning; default: on; "
                              "--no-pin-cpus leaves every service on any CPU)")
-    parser.add_argument("--log-dir", default="", help="where the services' logs go (default: a new temporary folder)")
+    parser.add_argument("--log-dir", default="", help="where the services' logs go (default: a new temporary folder, removed at exit "
+                                                 "unless a service failed)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for all three to serve (default: %(default)s)")
     parser.set_defaults(run=run)
@@ -123,12 +125,13 @@ def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
 
 
 def check_models(names: list[str]) -> None:
-    """Fail before starting anything when a model that looks like a path does not exist."""
-    from specd.engine.model_names import resolve
+    """Fail before starting anything when a model cannot load: a path that does not exist, a
+    folder with no model in it, a hub id the hub cannot be reached for."""
+    from specd.engine.model_names import model_source
 
     for name in names:
         if name and name != DEFAULT_TARGET:
-            resolve(name)  # FileNotFoundError: "no such folder: ..."
+            model_source(name)  # FileNotFoundError: "no such folder: ...", "... holds no model ..."
 
 
 def prepare_default_target(names: list[str]) -> None:
@@ -182,7 +185,8 @@ class Placement:
     def say(self) -> list[str]:
         lines = []
         if self.cpus:
-            lines.append(f"target pinned to {describe_cpus(self.cpus['target'])}, draft and coordinator to "
+            beside = " and ".join(name for name in ("draft", "coordinator") if name in self.cpus)
+            lines.append(f"target pinned to {describe_cpus(self.cpus['target'])}, {beside} to "
                          f"{describe_cpus(self.cpus['coordinator'])}")
         if self.draft_device.startswith("cuda:"):
             lines.append(f"the draft runs on a GPU of its own: {self.draft_device}")
@@ -196,7 +200,7 @@ def placement(args: argparse.Namespace) -> Placement:
     gpus = visible_gpus()
     if not runs_on_gpu(args.device, gpus):
         cpus = stack_layout(args.threads, args.target_tensor_parallel) if args.pin_cpus else {}
-        return Placement(cpus, args.device)
+        return Placement({name: chosen for name, chosen in cpus.items() if name != "draft" or args.draft}, args.device)
     ranks = args.target_tensor_parallel
     spare = args.device in ("auto", "cuda") and gpus > ranks
     return Placement({}, f"cuda:{ranks}" if spare else args.device)
@@ -223,9 +227,21 @@ def build_services(args: argparse.Namespace, ports: dict[str, int], log_dir: pat
             argv[name] += flags
     return [
         Service(name, argv[name], address[name], log_dir / f"{name}.log",
-                metrics_url=f"http://{host}:{metrics[name]}/metrics" if metrics[name] != "-1" else "")
+                metrics_url=f"http://{host}:{metrics[name]}/metrics" if metrics[name] != "-1" else "",
+                stop_timeout_s=coordinator_grace_s() + 15.0 if name == "coordinator" else 15.0)
         for name in ("target", "draft", "coordinator") if name in argv
     ]
+
+
+def coordinator_grace_s() -> float:
+    """How long the coordinator drains on SIGTERM, as it reads its setting (env or default)."""
+    from coordinator.config import CoordinatorConfig
+    from specd.core.config import env_name
+
+    try:
+        return max(float(os.environ.get(env_name("shutdown_grace_s"), CoordinatorConfig.shutdown_grace_s)), 0.0)
+    except ValueError:  # the coordinator refuses to start with it
+        return CoordinatorConfig.shutdown_grace_s
 
 
 def claim_state_file(address: str) -> str:
@@ -267,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="specd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(build_services(args, ports, log_dir))
+    failed = True  # until the stack ran and was stopped
 
     def stop(*_):
         raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
@@ -290,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"coordinator listening on {address}", flush=True)
         supervisor.run_forever()
     except KeyboardInterrupt:
+        failed = False
         return 0
     except (RuntimeError, TimeoutError) as exc:
         print(f"specd up: {exc}", file=sys.stderr)
@@ -297,8 +315,20 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not cut the stop short
             signal.signal(sig, signal.SIG_IGN)
-        supervisor.stop_all()
+        failed = not supervisor.stop_all() or failed or supervisor.failed()
         release_state_file()
+        close_log_dir(supervisor, log_dir, made_here=not args.log_dir, failed=failed)
+
+
+def close_log_dir(supervisor: Supervisor, log_dir: pathlib.Path, made_here: bool, failed: bool) -> None:
+    """Remove the temporary log folder `specd up` made, unless a service failed: its logs are then
+    what tells why, so they stay, and where is said. A folder the user named always stays."""
+    if not made_here:
+        return
+    if failed:
+        supervisor.say(f"a service failed; its logs stay in {log_dir}")
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def start_stack(supervisor: Supervisor, deadline: float) -> None:

@@ -11,7 +11,7 @@ from specd.core.sampling import SamplingSettings
 from specd.core.tokenizer_spec import fingerprint
 from specd.engine.backends import resolve_device
 from specd.engine.draft_model import DraftLlamaForCausalLM, borrow_from_target
-from specd.engine.model_names import DTYPE_NAMES, resolve
+from specd.engine.model_names import DTYPE_NAMES, model_source, resolve
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,10 @@ class LoadedModel:
     device: str
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, **from_pretrained_kwargs):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(name))
+    return AutoTokenizer.from_pretrained(resolve(name), **from_pretrained_kwargs)
 
 
 def load_causal_lm(name: str, dtype: str = "float32", device: str = "cpu", **from_pretrained_kwargs) -> LoadedModel:
@@ -59,9 +59,10 @@ def load_causal_lm(name: str, dtype: str = "float32", device: str = "cpu", **fro
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
-    tokenizer = load_tokenizer(name)
+    source, source_kwargs = model_source(name)  # fails here, with a clear message, on what cannot load
+    tokenizer = load_tokenizer(name, **source_kwargs)
     # dtype at load time, not .to() afterwards: .to() would also cast the rotary buffers.
-    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=DTYPES[dtype], **from_pretrained_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **source_kwargs, **from_pretrained_kwargs)
     if isinstance(model, DraftLlamaForCausalLM):
         borrow_from_target(model, resolve(model.config.borrows_from))
     if "device_map" not in from_pretrained_kwargs and "distributed_config" not in from_pretrained_kwargs:

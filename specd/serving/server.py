@@ -10,6 +10,7 @@ from typing import Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specd.serving.drain import DrainGate
 from specd.serving.model_thread import ModelThread
 from specd.serving.ports import add_port
 from specd.serving.reflection import enable_reflection
@@ -36,15 +37,22 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
 
 
 class HealthState:
-    """The standard health service; NOT_SERVING until the model is loaded and warm."""
+    """The standard health service, NOT_SERVING until the model is loaded and warm, and the gate
+    that refuses new calls while the server drains."""
 
     def __init__(self, service_names: Iterable[str]):
         self.servicer = health.aio.HealthServicer()
         self.service_names = ["", *service_names]
+        self.gate = DrainGate(service_title(self.service_names[-1]))
 
     async def set(self, status) -> None:
         for name in self.service_names:
             await self.servicer.set(name, status)
+
+
+def service_title(full_name: str) -> str:
+    """What a refusal calls the service: "specd.v1.TargetWorker" -> "TargetWorker service"."""
+    return f"{full_name.rsplit('.', 1)[-1] or 'gRPC'} service"
 
 
 def create_server(
@@ -58,9 +66,11 @@ def create_server(
     """A grpc.aio server with the given servicers, health and reflection; returns the bound port.
 
     credentials (specd.tls.server_credentials): serve TLS or mTLS; None serves plaintext."""
-    server = grpc.aio.server(interceptors=[UndecodableInterceptor(), *(interceptors or [])], options=SERVER_OPTIONS)
-    register(server)
     health_state = HealthState(service_full_names)
+    server = grpc.aio.server(
+        interceptors=[UndecodableInterceptor(), *(interceptors or []), health_state.gate], options=SERVER_OPTIONS
+    )
+    register(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     enable_reflection([*service_full_names, health.SERVICE_NAME], server)
     return server, add_port(server, f"{host}:{port}", credentials), health_state
@@ -68,7 +78,7 @@ def create_server(
 
 async def wait_for_termination(server: grpc.aio.Server, grace_s: float, health: HealthState) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully: NOT_SERVING and new calls refused at
-    once, calls already running given `grace_s` to finish."""
+    once (UNAVAILABLE, "... is stopping"), calls already running given `grace_s` to finish."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -77,12 +87,21 @@ async def wait_for_termination(server: grpc.aio.Server, grace_s: float, health: 
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
-        log.info("stopping: calls already running have %.0f s to finish", grace_s)
-        await health.set(NOT_SERVING)
-        # Before the waiter is cancelled: cancelling it cancels the future the stop waits on.
-        await server.stop(grace_s)
+        await drain(server, grace_s, health)
     waiter.cancel()
     stopper.cancel()
+
+
+async def drain(server: grpc.aio.Server, grace_s: float, health: HealthState) -> None:
+    """Refuse new calls while the port stays open, let running ones finish within `grace_s`, then stop."""
+    log.info("stopping: %d calls running have %.0f s to finish; new calls are refused", health.gate.running, grace_s)
+    deadline = asyncio.get_running_loop().time() + grace_s
+    await health.set(NOT_SERVING)
+    health.gate.close()
+    if not await health.gate.wait_idle(grace_s):
+        log.warning("stopping: %d calls still running after %.0f s are cut", health.gate.running, grace_s)
+    # Before the caller cancels its waiter: cancelling it cancels the future the stop waits on.
+    await server.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
 
 
 async def expire_sessions_forever(thread: ModelThread, expire: Callable[[], list[str]], every_s: float) -> None:

@@ -81,3 +81,46 @@ def test_up_checks_model_folders_before_starting_anything(tiny_pair, tmp_path, w
     assert result.returncode == 1
     assert result.stderr.strip() == f"specd up: no such folder: {missing} (a model is a local folder or a hub id like org/name)"
     assert not (tmp_path / "logs").exists()
+
+
+def _unreachable_hub(tmp_path) -> dict:
+    """A hub endpoint nothing listens on, and an empty hub cache."""
+    return {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
+
+
+def test_an_empty_model_folder_says_it_holds_no_model(tmp_path):
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    result = specd("serve", "target", "--model", str(empty), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1")
+    assert result.returncode == 1
+    assert f"specd serve target: {empty} holds no model: no config.json" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    result = specd("up", "--target", str(empty), "--draft", "", "--port", "0", "--metrics-port", "-1",
+                   "--log-dir", str(tmp_path / "logs"), env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith(f"specd up: {empty} holds no model: no config.json"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "logs").exists()
+
+
+def test_a_hub_id_with_the_hub_unreachable_fails_at_once(tmp_path):
+    env = _unreachable_hub(tmp_path)
+    result = specd("serve", "target", "--model", "someorg/some-model", "--host", "127.0.0.1", "--port", "0",
+                   "--metrics-port", "-1", env=env)
+    assert result.returncode == 1
+    assert "specd serve target: someorg/some-model: the hub at http://127.0.0.1:" in result.stderr, result.stderr[-2000:]
+    assert "pass a local model folder" in result.stderr and "Traceback" not in result.stderr
+    result = specd("up", "--target", "someorg/some-model", "--draft", "", "--port", "0", "--metrics-port", "-1",
+                   "--log-dir", str(tmp_path / "logs"), env={**env, "XDG_RUNTIME_DIR": str(tmp_path)})
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specd up: someorg/some-model: the hub at"), result.stderr
+
+
+def test_an_empty_chat_is_refused_as_an_empty_prompt_is(tiny_pair):
+    with running_stack(tiny_pair[0], None) as stack:
+        prompt = specd("generate", "--address", stack.address, "", timeout=60)
+        chat = specd("generate", "--address", stack.address, "--chat", "", timeout=60)
+    assert prompt.returncode == chat.returncode == 1
+    assert prompt.stderr.strip() == "INVALID_ARGUMENT: prompt is empty", prompt.stderr
+    assert chat.stderr.strip().startswith("INVALID_ARGUMENT: messages: every message's content is empty"), chat.stderr
+    assert chat.stdout == ""

@@ -44,12 +44,15 @@ def _three_free_ports() -> int:
 class Up:
     """A `specd up` child with its stderr in a file, read as it grows."""
 
-    def __init__(self, tmp_path, *args: str):
+    def __init__(self, tmp_path, *args: str, log_dir: bool = True):
+        """log_dir: pass --log-dir (tmp_path/logs); else `specd up` makes its own under tmp_path."""
         self.err_path = tmp_path / "up.err"
-        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}  # its own state file
+        # Its own state file and temporary folder; its own process group, as a terminal gives a command.
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TMPDIR": str(tmp_path)}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specd", "up", "--no-pin-cpus", "--log-dir", str(tmp_path / "logs"), *args],
-            stdout=subprocess.PIPE, stderr=self.err_path.open("w"), text=True, env=self.env,
+            [sys.executable, "-m", "specd", "up", "--no-pin-cpus",
+             *(["--log-dir", str(tmp_path / "logs")] if log_dir else []), *args],
+            stdout=subprocess.PIPE, stderr=self.err_path.open("w"), text=True, env=self.env, process_group=0,
         )
 
     def stderr(self) -> str:
@@ -294,3 +297,31 @@ def test_visible_gpus_are_those_present_that_cuda_visible_devices_lets_through(m
     assert up.visible_gpus() == 1
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert up.visible_gpus() == 2
+
+
+def test_without_a_draft_no_cpu_is_pinned_for_one(monkeypatch, tmp_path):
+    from specd.cli import up
+
+    monkeypatch.setattr(up, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(up, "stack_layout", lambda threads, ranks: {"target": frozenset({0}), "draft": frozenset({1}), "coordinator": frozenset({1})})
+    placed = up.placement(_args(draft=""))
+    assert set(placed.cpus) == {"target", "coordinator"}
+    assert placed.say() == ["target pinned to CPU 0, coordinator to CPU 1"]
+    services = {s.name: s.argv for s in up.build_services(_args(draft=""), {"coordinator": 1, "target": 2, "draft": 3}, tmp_path)}
+    assert set(services) == {"target", "coordinator"} and services["coordinator"][-2:] == ["--cpus", "1"]
+    assert up.placement(_args()).say() == ["target pinned to CPU 0, draft and coordinator to CPU 1"]
+
+
+@pytest.mark.parametrize("made_here, failed, kept", [(True, False, False), (True, True, True), (False, False, True)])
+def test_the_log_folder_specd_up_made_goes_unless_a_service_failed(tmp_path, made_here, failed, kept):
+    import io
+
+    from specd.cli.supervise import Supervisor
+
+    log_dir = tmp_path / "specd-up-x"
+    log_dir.mkdir()
+    (log_dir / "target.log").write_text("loading\n")
+    err = io.StringIO()
+    up_module.close_log_dir(Supervisor([], err=err), log_dir, made_here=made_here, failed=failed)
+    assert log_dir.exists() == kept
+    assert (f"its logs stay in {log_dir}" in err.getvalue()) == (made_here and failed), err.getvalue()

@@ -69,6 +69,8 @@ def test_sigterm_refuses_new_requests_and_lets_running_ones_finish_within_the_gr
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Generate(request(PROMPT, mode=pb.SPECULATION_MODE_OFF, k=None, max_new_tokens=2), timeout=5.0)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            if grace_s:  # its port stays open while it drains, to say why
+                assert "the Coordinator service is stopping" in refused.value.details(), refused.value.details()
             if grace_s == 0.0:  # the running request is cut off at once
                 with pytest.raises(grpc.RpcError):
                     list(stream)

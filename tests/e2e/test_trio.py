@@ -394,6 +394,19 @@ def test_chat_messages_use_the_template(eos_setup, reference):
     assert_greedy_equal_or_near_tie(model, ids, list(response.token_ids), greedy_reference(model, ids, 16))
 
 
+def test_every_chat_role_is_rendered(eos_setup):
+    """system, user, assistant and tool (OpenAI's roles that templates render) all reach the template."""
+    running, _, folder = eos_setup
+    from transformers import AutoTokenizer
+
+    roles = ["system", "user", "assistant", "tool", "user"]
+    message = request(None, max_new_tokens=2)
+    message.messages.messages.extend(pb.ChatMessage(role=role, content=f"{role} {i}") for i, role in enumerate(roles))
+    rendered = "".join(f"<{role}>{role} {i}\n" for i, role in enumerate(roles)) + "<assistant>"
+    response = running.stub().Generate(message, timeout=CALL_TIMEOUT_S)
+    assert response.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(folder).encode(rendered, add_special_tokens=False))
+
+
 def test_chat_messages_without_a_template_are_refused(stub):
     import grpc
 
