@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specd.observability.metrics_server import start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +32,11 @@ class ServiceMetrics:
         self._server = None
 
     def serve(self, host: str, port: int) -> int | None:
-        """Expose /metrics on host:port (0: a free port; -1: not at all); returns the port."""
+        """Expose /metrics on host:port (0: a free port; -1: not at all; other paths: 404);
+        returns the port."""
         if port < 0:
             return None
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = start_metrics_server(host, port, self.registry)
         self.port = self._server.server_port
         return self.port
 
