@@ -114,10 +114,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @contextlib.asynccontextmanager
     async def _admitted(
-        self, request, context, record: RequestRecord
+        self, request, context, record: RequestRecord | None = None
     ) -> AsyncIterator[tuple[ResolvedRequest, AsyncIterator[Chunk | Finish]]]:
         """The resolved request and its events, once it has a place (it may queue for one; the queue's wait
-        ends at the call's deadline). While loading, UNAVAILABLE comes before any queueing."""
+        ends at the call's deadline). While loading, UNAVAILABLE comes before any queueing. `record`,
+        the front's (Generator.run makes one without it), is filled in as the request runs."""
         self._ready_facts()
         await self._check(request)  # bad input is told so at once, not queued, nor told to retry
         async with self.admission.place(context.time_remaining()) as place:
