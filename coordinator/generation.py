@@ -6,6 +6,7 @@ committed as text, its stats, and its sessions ended however it ends.
       ssd_rounds | sd_rounds                   coordinator/ssd_rounds.py, coordinator/sd_rounds.py
         each RoundResult -> stats, policy, commit (stop strings, EOS, max length) -> Chunk
       Finish (text, usage, stats), sessions ended, place released
+      RequestRecord: a finished request logged and counted  coordinator/request_log.py
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from coordinator.policy import SpeculationPolicy
 from coordinator.policy_measures import RoundCosts
 from coordinator.profiles import SpeculationProfile
 from coordinator.request import ResolvedRequest, TargetFacts
+from coordinator.request_log import RequestRecord
 from coordinator.request_state import RequestState
 from coordinator.round_result import RoundResult
 from coordinator.round_trace import RoundTrace, record_request, record_response
@@ -35,6 +37,7 @@ from coordinator.ssd_rounds import ssd_rounds
 from coordinator.stats import RequestStats
 from coordinator.target_link import TargetLink
 from coordinator.text import TextAssembler
+from specd.observability.telemetry import trace_id_hex
 from specd.wire.modes import AUTO, OFF, SSD
 
 
@@ -71,16 +74,26 @@ class Generator:
         return mode
 
     async def run(
-        self, request: ResolvedRequest, facts: TargetFacts, profile: SpeculationProfile, place: Place | None = None
+        self,
+        request: ResolvedRequest,
+        facts: TargetFacts,
+        profile: SpeculationProfile,
+        place: Place | None = None,
+        record: RequestRecord | None = None,
     ) -> AsyncIterator[Chunk | Finish]:
         """A request's life: its rounds, each round's tokens committed as text, then how it ended.
-        `place`, its admission, is released once its worker sessions are ended."""
+        `place`, its admission, is released once its worker sessions are ended. `record`, the
+        front's, is filled in as the request runs; a finished request is logged and counted
+        here, one that fails is left to the front (which tells its caller how it ended)."""
         text = TextAssembler(facts.tokenizer, request.prompt_ids, request.stop_strings)
         output = RequestOutput(text, prompt_len=len(request.prompt_ids))
         span = trace.get_current_span()  # llm_request
         record_request(span, request)
         state = self._state(request, facts, profile)
         stats = RequestStats(requested_mode=state.mode, seed=request.sampling.seed)
+        record = record if record is not None else RequestRecord()
+        record.request_id, record.prompt_tokens = request.request_id, output.prompt_len
+        record.trace_id = record.trace_id or trace_id_hex(span)
         stats.queue_ms = place.queue_ms if place is not None else 0.0
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
@@ -102,8 +115,9 @@ class Generator:
                 await rounds.aclose()
             finally:
                 self.decoding -= 1
+                record.add_stats(stats, len(state.committed) - output.prompt_len)
                 self._end_request(state, stats, place)
-        yield self._finish(span, state, stats, output)
+        yield self._finish(span, state, stats, output, record)
 
     def _state(self, request: ResolvedRequest, facts: TargetFacts, profile: SpeculationProfile) -> RequestState:
         """The request's state for its rounds, in the mode it runs, with its policy."""
@@ -159,13 +173,16 @@ class Generator:
             self.metrics.requests_in_flight.dec()
             self.metrics.observe_speculation(stats)
 
-    def _finish(self, span: trace.Span, state: RequestState, stats: RequestStats, output: RequestOutput) -> Finish:
-        """How the request ended, with its usage and stats; recorded on its span and metrics."""
+    def _finish(
+        self, span: trace.Span, state: RequestState, stats: RequestStats, output: RequestOutput, record: RequestRecord
+    ) -> Finish:
+        """How the request ended, with its usage and stats; recorded on its span, metrics and log."""
         finish = output.finish(state.committed[output.prompt_len :], stats.to_proto())
         completion = finish.usage.completion_tokens
         latency_s = time.perf_counter() - output.started
         if self.metrics is not None:
             self.metrics.observe_latency(output.first_token_s, latency_s, completion)
+        record.finished(self.metrics, finish.finish_reason)
         ttft_ms = output.first_token_s * 1000.0 if output.first_token_s is not None else None
         record_response(span, finish.finish_reason, completion, finish.stats, ttft_ms, latency_s * 1000.0)
         return finish

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from typing import AsyncIterator
 
+import grpc
 from opentelemetry import trace
 
 from coordinator.admission import Admission, running_limit
@@ -17,11 +18,13 @@ from coordinator.generation import Generator
 from coordinator.output import Chunk, Finish
 from coordinator.profiles import SpeculationProfile
 from coordinator.request import ResolvedRequest, TargetFacts, check, resolve
+from coordinator.request_log import RequestRecord
 from coordinator.round_trace import llm_request, llm_request_stream
 from coordinator.target_link import TargetLink
 from specd.observability.telemetry import get_tracer, trace_id_hex
 from specd.serving.status import ModelLoading, rpc_edge
 from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specd.wire.checks import MAX_ID_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -96,32 +99,43 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Generate(self, request, context):
         with llm_request(self.tracer, context, "Generate") as span:
-            return await self._generate(request, context, trace_id_hex(span))
+            return await self._generate(request, context, _record(request, trace_id_hex(span)))
 
     async def GenerateStream(self, request, context):
         messages = llm_request_stream(
-            self.tracer, context, "GenerateStream", lambda trace_id: self._generate_stream(request, context, trace_id)
+            self.tracer,
+            context,
+            "GenerateStream",
+            lambda trace_id: self._generate_stream(request, context, _record(request, trace_id)),
         )
         async with contextlib.aclosing(messages):
             async for message in messages:
                 yield message
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, request, context) -> AsyncIterator[tuple[ResolvedRequest, AsyncIterator[Chunk | Finish]]]:
+    async def _admitted(
+        self, request, context, record: RequestRecord | None = None
+    ) -> AsyncIterator[tuple[ResolvedRequest, AsyncIterator[Chunk | Finish]]]:
         """The resolved request and its events, once it has a place (it may queue for one; the queue's wait
-        ends at the call's deadline). While loading, UNAVAILABLE comes before any queueing."""
+        ends at the call's deadline). While loading, UNAVAILABLE comes before any queueing. `record`,
+        the front's (Generator.run makes one without it), is filled in as the request runs."""
         self._ready_facts()
         await self._check(request)  # bad input is told so at once, not queued, nor told to retry
         async with self.admission.place(context.time_remaining()) as place:
             resolved = await self._resolve(request)
             # Closed here, not when collected: its sessions are ended before the place is let go.
-            events = self.generator.run(resolved, self._ready_facts(), self.profile, place)
+            events = self.generator.run(resolved, self._ready_facts(), self.profile, place, record)
             async with contextlib.aclosing(events) as events:
                 yield resolved, events
 
-    @rpc_edge
-    async def _generate(self, request, context, trace_id: str):
-        async with self._admitted(request, context) as (resolved, events):
+    def _failed(self, code: grpc.StatusCode, record: RequestRecord) -> None:
+        """A Generate call that ended without its request finishing: logged and counted once."""
+        record.failed(self.metrics, code.name)
+
+    @rpc_edge(on_failure=_failed)
+    async def _generate(self, request, context, record: RequestRecord):
+        trace_id = record.trace_id
+        async with self._admitted(request, context, record) as (resolved, events):
             async for event in events:
                 if isinstance(event, Finish):
                     return coordinator_pb2.GenerateResponse(
@@ -131,9 +145,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         **event.response_fields(resolved.request_id, trace_id),
                     )
 
-    @rpc_edge
-    async def _generate_stream(self, request, context, trace_id: str):
-        async with self._admitted(request, context) as (resolved, events):
+    @rpc_edge(on_failure=_failed)
+    async def _generate_stream(self, request, context, record: RequestRecord):
+        trace_id = record.trace_id
+        async with self._admitted(request, context, record) as (resolved, events):
             async for event in events:
                 if isinstance(event, Finish):
                     yield coordinator_pb2.GenerateStreamResponse(**event.response_fields(resolved.request_id, trace_id))
@@ -160,3 +175,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             max_new_tokens_limit=self.config.max_new_tokens_limit,
             default_num_speculative_tokens=self.profile.num_speculative_tokens,
         )
+
+
+def _record(request: coordinator_pb2.GenerateRequest, trace_id: str) -> RequestRecord:
+    """A Generate call's record, from its start: its trace id and its caller's request id (cut
+    to MAX_ID_BYTES characters: an id too long, which the call is refused for, is not logged
+    whole), until the request is resolved."""
+    return RequestRecord(request_id=request.request_id[:MAX_ID_BYTES], trace_id=trace_id)

@@ -62,6 +62,11 @@ class RequestStats:
         """The mode that ran: the one asked for if any round speculated, else target-only."""
         return self.requested_mode if self.ran_speculation else OFF
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens; 0 when none were proposed."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
     def to_proto(self) -> coordinator_pb2.SpeculationStats:
         lookups = self.cache_hits + self.cache_misses
         return coordinator_pb2.SpeculationStats(
@@ -69,7 +74,7 @@ class RequestStats:
             rounds=self.rounds,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
-            acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            acceptance_rate=self.acceptance_rate,
             mean_acceptance_length=1.0 + self.accepted_tokens / self.rounds if self.rounds else 0.0,
             fallback_reason=self.fallback_reason,
             accepted_per_position=self.accepted_per_position,
