@@ -1,0 +1,57 @@
+"""Waiting for a target session: a target at its --max-sessions refuses to open another.
+
+Each coordinator sizes its admission from the workers' caps as if it were their only client, so
+several coordinators on one worker pair admit more requests together than the target holds
+sessions. A request whose first target call is refused for want of a session (RESOURCE_EXHAUSTED)
+keeps its place and sends that call again once a session may have freed, instead of failing: at
+once when a request of this coordinator ends its target session, else after a wait that grows
+from FIRST_WAIT_S to LONGEST_WAIT_S (sessions other coordinators end are seen only so). The wait
+ends with the request (its deadline, a cancellation); requests past the coordinator's places
+queue in admission meanwhile, and past --max-queued-requests are refused there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from coordinator.workers import WorkerSession
+
+FIRST_WAIT_S = 0.01
+LONGEST_WAIT_S = 0.25
+
+
+def out_of_sessions(exc: grpc.aio.AioRpcError, session: WorkerSession) -> bool:
+    """The worker refused to open `session` because it holds its maximum of sessions. gRPC's own
+    RESOURCE_EXHAUSTED (a message past its size limit) is not that, nor a refusal of a session the
+    worker had already opened (it lost it and is full now: the request fails as it would have)."""
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or session.opened or session.ended:
+        return False
+    return "larger than max" not in (exc.details() or "")
+
+
+class SessionWait:
+    """Where requests refused a session wait, woken when a session of this coordinator ends."""
+
+    def __init__(self) -> None:
+        self._freed = asyncio.Event()
+        self.waiting = 0  # requests waiting now
+        self.waits = 0  # waits so far (a request refused twice waits twice)
+
+    def freed(self) -> None:
+        """A request of this coordinator ended its session: every waiter tries again now."""
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()
+
+    async def wait(self, most_s: float) -> None:
+        """Until a session of this coordinator ends, or `most_s` passes."""
+        self.waiting += 1
+        self.waits += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(most_s):
+                    await self._freed.wait()
+        finally:
+            self.waiting -= 1
