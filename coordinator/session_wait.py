@@ -8,12 +8,17 @@ once when a request of this coordinator ends its target session, else after a wa
 from FIRST_WAIT_S to LONGEST_WAIT_S (sessions other coordinators end are seen only so). The wait
 ends with the request (its deadline, a cancellation); requests past the coordinator's places
 queue in admission meanwhile, and past --max-queued-requests are refused there.
+
+While the target refuses sessions (one refused within FULL_FOR_S), a new request opens its target
+session first, on its own (TargetLink.open_session), and waits there: a request waiting for the
+target then holds no draft session that the requests running on the target would lack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 
@@ -21,6 +26,7 @@ from coordinator.workers import WorkerSession
 
 FIRST_WAIT_S = 0.01
 LONGEST_WAIT_S = 0.25
+FULL_FOR_S = 2.0
 
 
 def out_of_sessions(exc: grpc.aio.AioRpcError, session: WorkerSession) -> bool:
@@ -39,6 +45,12 @@ class SessionWait:
         self._freed = asyncio.Event()
         self.waiting = 0  # requests waiting now
         self.waits = 0  # waits so far (a request refused twice waits twice)
+        self._refused_at = -FULL_FOR_S  # time.monotonic() of the latest refusal
+
+    @property
+    def full(self) -> bool:
+        """The target refused a session lately: it may well refuse the next."""
+        return time.monotonic() - self._refused_at < FULL_FOR_S
 
     def freed(self) -> None:
         """A request of this coordinator ended its session: every waiter tries again now."""
@@ -49,6 +61,7 @@ class SessionWait:
         """Until a session of this coordinator ends, or `most_s` passes."""
         self.waiting += 1
         self.waits += 1
+        self._refused_at = time.monotonic()
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(most_s):

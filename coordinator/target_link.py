@@ -82,6 +82,12 @@ class TargetLink:
 
         return await self._synced(session, committed, call, self.deadline())
 
+    async def open_session(self, session: WorkerSession, committed: list[int]) -> None:
+        """While the target refuses sessions, open the request's on its own, waiting for one there:
+        a one-token Prefill, which runs no forward (a prefill caches all but its last token)."""
+        if self.session_wait.full and not session.opened:
+            await self.prefill(session, committed[:1])
+
     async def _synced(self, session: WorkerSession, committed: list[int], call, deadline: float):
         """synced_call; a new session the target has no room for waits until one frees
         (coordinator/session_wait.py), the call's deadline moved on by the wait."""

@@ -2,7 +2,7 @@
 --max-sessions (less headroom), so together they admit more requests than the target holds
 sessions. A request the target refuses a session waits in its coordinator until one frees
 (coordinator/session_wait.py): none fails for want of a worker session, and the only refusals
-are each coordinator's admission's, with its message.
+are each coordinator's admission's, with its message (past its places and its queue).
 
 The target's prefills are held (tests/stack.py, prefill_gate) until every admitted request's
 first call has reached it, so that more sessions are asked for at once than it holds.
@@ -19,8 +19,9 @@ from tests.conftest import CALL_TIMEOUT_S, request, running_stack
 from tests.stack import prefill_gate, wait_for
 
 SESSIONS = 4  # the workers' --max-sessions
-ADMITTED = SESSIONS - 1  # what each coordinator admits: the cap less headroom (coordinator/admission.py)
-SENT = 4  # requests sent to each coordinator at once: more than half the workers' sessions
+RUNNING = SESSIONS - 1  # what each coordinator runs at once: the cap less headroom (coordinator/admission.py)
+QUEUED = 1  # --max-queued-requests
+SENT = RUNNING + QUEUED + 1  # requests sent to each coordinator at once: more than half the workers' sessions
 PROMPT_IDS = [5, 17, 33, 8, 41, 12]
 SETTLE_S = 20.0
 
@@ -44,6 +45,10 @@ def count_prefills_submitted(target) -> list[int]:
     return count
 
 
+def waiting(coordinator) -> float:
+    return coordinator.servicer.metrics.registry.get_sample_value("specd_requests_waiting")
+
+
 def outcome(call) -> str:
     try:
         response = call.result()
@@ -56,7 +61,7 @@ def test_two_coordinators_on_one_pair_stay_within_its_sessions(tiny_pair):
     overrides = {
         "target_overrides": {"max_sessions": SESSIONS},
         "draft_overrides": {"max_sessions": SESSIONS},
-        "coordinator_overrides": {"max_queued_requests": 0},  # past its places, admission refuses at once
+        "coordinator_overrides": {"max_queued_requests": QUEUED},
     }
     with running_stack(*tiny_pair, **overrides) as stack:
         second = stack.another_coordinator()
@@ -67,14 +72,17 @@ def test_two_coordinators_on_one_pair_stay_within_its_sessions(tiny_pair):
         try:
             message = request(PROMPT_IDS, mode=pb.SPECULATION_MODE_SD, max_new_tokens=6)
             calls = [stub.Generate.future(message, timeout=CALL_TIMEOUT_S) for stub in stubs for _ in range(SENT)]
-            wait_until(lambda: prefills[0] == 2 * ADMITTED, "every admitted request's prefill at the target")
+            wait_until(lambda: prefills[0] == 2 * RUNNING, "every running request's prefill at the target")
+            wait_until(lambda: [waiting(c) for c in coordinators] == [QUEUED] * 2, "each coordinator's queue full")
+            wait_until(lambda: sum(call.done() for call in calls) == 2, "one request refused by each coordinator")
         finally:
             gate.release()
         outcomes = [outcome(call) for call in calls]
-        refusal = f"RESOURCE_EXHAUSTED: specd is serving its maximum of {ADMITTED} requests with 0 queued; retry later"
+        refusal = f"RESOURCE_EXHAUSTED: specd is serving its maximum of {RUNNING} requests with {QUEUED} queued; retry later"
+        finished = "finished FINISH_REASON_LENGTH with 6 tokens"
         for sent in (outcomes[:SENT], outcomes[SENT:]):
-            assert sorted(sent) == sorted([refusal] * (SENT - ADMITTED) + ["finished FINISH_REASON_LENGTH with 6 tokens"] * ADMITTED), sent
+            assert sorted(sent) == sorted([refusal] + [finished] * (RUNNING + QUEUED)), sent
         # The target was asked for more sessions than it holds, and the requests it refused waited.
-        assert sum(c.servicer.target.session_wait.waits for c in coordinators) >= 2 * ADMITTED - SESSIONS
+        assert sum(c.servicer.target.session_wait.waits for c in coordinators) >= 2 * RUNNING - SESSIONS
         wait_until(lambda: len(stack.target.servicer.runner.sessions) == 0, "every target session ended")
         assert [c.servicer.target.session_wait.waiting for c in coordinators] == [0, 0]
