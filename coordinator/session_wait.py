@@ -5,9 +5,12 @@ several coordinators on one worker pair admit more requests together than the ta
 sessions. A request whose first target call is refused for want of a session (RESOURCE_EXHAUSTED)
 keeps its place and sends that call again once a session may have freed, instead of failing: at
 once when a request of this coordinator ends its target session, else after a wait that grows
-from FIRST_WAIT_S to LONGEST_WAIT_S (sessions other coordinators end are seen only so). The wait
-ends with the request (its deadline, a cancellation); requests past the coordinator's places
-queue in admission meanwhile, and past --max-queued-requests are refused there.
+from FIRST_WAIT_S to LONGEST_WAIT_S (sessions other coordinators end are seen only so). Refused
+requests ask again one at a time, in the order they were refused: a refused call still takes a
+place in one of the target's batches, and a crowd asking together would crowd out the verifies
+of the requests it runs. The wait ends with the request (its deadline, a cancellation); requests
+past the coordinator's places queue in admission meanwhile, and past --max-queued-requests are
+refused there.
 
 While the target refuses sessions (one refused within FULL_FOR_S), a new request opens its target
 session first, on its own (TargetLink.open_session), and waits there: a request waiting for the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import AsyncIterator
 
 import grpc
 
@@ -43,7 +47,8 @@ class SessionWait:
 
     def __init__(self) -> None:
         self._freed = asyncio.Event()
-        self.waiting = 0  # requests waiting now
+        self._turn = asyncio.Lock()  # wakes its waiters in the order they came
+        self.waiting = 0  # refused requests now waiting for a session
         self.waits = 0  # waits so far (a request refused twice waits twice)
         self._refused_at = -FULL_FOR_S  # time.monotonic() of the latest refusal
 
@@ -57,14 +62,21 @@ class SessionWait:
         freed, self._freed = self._freed, asyncio.Event()
         freed.set()
 
-    async def wait(self, most_s: float) -> None:
-        """Until a session of this coordinator ends, or `most_s` passes."""
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """A refused request's turn to wait and ask again: one request at a time, in order."""
         self.waiting += 1
-        self.waits += 1
         self._refused_at = time.monotonic()
         try:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(most_s):
-                    await self._freed.wait()
+            async with self._turn:
+                yield
         finally:
             self.waiting -= 1
+
+    async def wait(self, most_s: float) -> None:
+        """Until a session of this coordinator ends, or `most_s` passes."""
+        self.waits += 1
+        self._refused_at = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(most_s):
+                await self._freed.wait()

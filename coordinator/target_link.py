@@ -89,19 +89,29 @@ class TargetLink:
             await self.prefill(session, committed[:1])
 
     async def _synced(self, session: WorkerSession, committed: list[int], call, deadline: float):
-        """synced_call; a new session the target has no room for waits until one frees
-        (coordinator/session_wait.py), the call's deadline moved on by the wait."""
-        wait_s = FIRST_WAIT_S
-        while True:
-            try:
-                return await synced_call(session, committed, call, deadline, self._catch_up)
-            except grpc.aio.AioRpcError as exc:
-                if not out_of_sessions(exc, session):
-                    raise self._error(exc) from None
-            started = time.monotonic()
-            await self.session_wait.wait(wait_s)
-            deadline += time.monotonic() - started
-            wait_s = min(2 * wait_s, LONGEST_WAIT_S)
+        """synced_call; a new session the target has no room for waits until one frees."""
+        try:
+            return await synced_call(session, committed, call, deadline, self._catch_up)
+        except grpc.aio.AioRpcError as exc:
+            if not out_of_sessions(exc, session):
+                raise self._error(exc) from None
+        return await self._once_a_session_frees(session, committed, call, deadline)
+
+    async def _once_a_session_frees(self, session: WorkerSession, committed: list[int], call, deadline: float):
+        """The refused call, sent again in this request's turn after each wait (coordinator/session_wait.py);
+        its deadline moves on by the time it waited."""
+        async with self.session_wait.turn():
+            wait_s = FIRST_WAIT_S
+            while True:
+                started = time.monotonic()
+                await self.session_wait.wait(wait_s)
+                deadline += time.monotonic() - started
+                try:
+                    return await synced_call(session, committed, call, deadline, self._catch_up)
+                except grpc.aio.AioRpcError as exc:
+                    if not out_of_sessions(exc, session):
+                        raise self._error(exc) from None
+                wait_s = min(2 * wait_s, LONGEST_WAIT_S)
 
     async def verify(
         self,

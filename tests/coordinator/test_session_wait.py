@@ -1,6 +1,7 @@
 """A target at its --max-sessions: a new session's first call waits for one to free instead of
-failing, is woken when a session of its coordinator ends, and, while the target refuses sessions,
-open_session waits for the request's session before any round (coordinator/session_wait.py).
+failing, asks again when a session of its coordinator ends, in the order the requests were
+refused, and, while the target refuses sessions, open_session waits for the request's session
+before any round (coordinator/session_wait.py).
 
 Against a real target worker holding ONE session, through the coordinator's own TargetLink.
 """
@@ -26,7 +27,7 @@ def one_session_target(tiny_pair):
         yield stack
 
 
-def test_new_sessions_wait_for_one_to_free_and_the_rest_is_refused_as_before(one_session_target):
+def test_new_sessions_wait_their_turn_for_a_session_to_free(one_session_target):
     stack = one_session_target
 
     async def scenario() -> None:
@@ -41,13 +42,12 @@ def test_new_sessions_wait_for_one_to_free_and_the_rest_is_refused_as_before(one
             # While the target refuses sessions, a request opens its own before any round: it waits too.
             opening = asyncio.ensure_future(link.open_session(third, PROMPT))
             await until(lambda: link.session_wait.waiting == 2, "the third session waits")
-            await link.end_session(first.session_id)  # wakes both; one gets the freed session
-            done, pending = await asyncio.wait([waiting, opening], timeout=SETTLE_S, return_when=asyncio.FIRST_COMPLETED)
-            assert len(done) == 1 and len(pending) == 1
-            await until(lambda: link.session_wait.waiting == 1, "the other, refused again, waits again")
-            holder = second if waiting in done else third
-            await link.end_session(holder.session_id)
-            await asyncio.wait_for(pending.pop(), SETTLE_S)
+            # The freed session goes to the request refused first: refused requests ask again in turn.
+            await link.end_session(first.session_id)
+            await asyncio.wait_for(waiting, SETTLE_S)
+            assert second.opened and not opening.done() and link.session_wait.waiting == 1
+            await link.end_session(second.session_id)
+            await asyncio.wait_for(opening, SETTLE_S)
             assert second.opened and third.opened
             # open_session sent one token, which a prefill keeps back: nothing cached, the round sends all.
             assert third.sent == 0
