@@ -40,7 +40,7 @@ deploy-check: setup
 	for k in deploy/k8s/base deploy/k8s/overlays/*; do \
 	  PATH=$(VENV)/bin:$$PATH kubectl kustomize "$$k" | $(VENV)/bin/kubernetes-validate --strict -k 1.37.0 - || exit 1; \
 	done
-	$(PY) -m pytest -q tests/deploy/test_deploy.py
+	$(PY) -m pytest -q tests/deploy
 
 # Wheels of what tools/gpu_check.sh needs beside a GPU machine's own torch stack, for Python 3.12
 # on x86_64 Linux, into wheels/ (about 12 MB): that machine has no network.

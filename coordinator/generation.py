@@ -100,6 +100,8 @@ class Generator:
         rounds = self._rounds(state)
         self.decoding += 1
         try:
+            # Before any round: while the target is full, the request waits for its session here.
+            await self.target.open_session(state.target_session, state.committed)
             async for result in rounds:
                 stats.add(result)
                 state.policy.round_done(result.num_draft, len(result.tokens))

@@ -8,6 +8,7 @@ from typing import Iterable
 
 import grpc
 
+from coordinator.session_wait import FIRST_WAIT_S, LONGEST_WAIT_S, SessionWait, out_of_sessions
 from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, remaining_s, synced_call, worker_channel
 from specd.core.sampling import SamplingSettings, SparseDist
 from specd.serving.status import StatusError, Unavailable
@@ -55,6 +56,7 @@ class TargetLink:
         self._metadata = call_metadata_source(interceptors)
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
         self._catch_up = CatchUp(self._prefill_call, call_tokens, timeout_s) if call_tokens else None
+        self.session_wait = SessionWait()
 
     def _error(self, exc: grpc.aio.AioRpcError) -> StatusError:
         """UNAVAILABLE when the target cannot be reached in time; its own status otherwise."""
@@ -78,10 +80,38 @@ class TargetLink:
         async def call(tail, timeout_s):
             return await self._prefill_call(session.session_id, tail, timeout_s)
 
+        return await self._synced(session, committed, call, self.deadline())
+
+    async def open_session(self, session: WorkerSession, committed: list[int]) -> None:
+        """While the target refuses sessions, open the request's on its own, waiting for one there:
+        a one-token Prefill, which runs no forward (a prefill caches all but its last token)."""
+        if self.session_wait.full and not session.opened:
+            await self.prefill(session, committed[:1])
+
+    async def _synced(self, session: WorkerSession, committed: list[int], call, deadline: float):
+        """synced_call; a new session the target has no room for waits until one frees."""
         try:
-            return await synced_call(session, committed, call, self.deadline(), self._catch_up)
+            return await synced_call(session, committed, call, deadline, self._catch_up)
         except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+            if not out_of_sessions(exc, session):
+                raise self._error(exc) from None
+        return await self._once_a_session_frees(session, committed, call, deadline)
+
+    async def _once_a_session_frees(self, session: WorkerSession, committed: list[int], call, deadline: float):
+        """The refused call, sent again in this request's turn after each wait (coordinator/session_wait.py);
+        its deadline moves on by the time it waited."""
+        async with self.session_wait.turn():
+            wait_s = FIRST_WAIT_S
+            while True:
+                started = time.monotonic()
+                await self.session_wait.wait(wait_s)
+                deadline += time.monotonic() - started
+                try:
+                    return await synced_call(session, committed, call, deadline, self._catch_up)
+                except grpc.aio.AioRpcError as exc:
+                    if not out_of_sessions(exc, session):
+                        raise self._error(exc) from None
+                wait_s = min(2 * wait_s, LONGEST_WAIT_S)
 
     async def verify(
         self,
@@ -101,10 +131,7 @@ class TargetLink:
             request = verify_request(session.session_id, tail, draft_tokens, probs, sampling, return_logprobs)
             return await self._stub.Verify(request, metadata=self._metadata(), timeout=timeout_s)
 
-        try:
-            return await synced_call(session, committed, call, deadline or self.deadline(), self._catch_up)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+        return await self._synced(session, committed, call, deadline or self.deadline())
 
     async def verify_after(
         self, session_id: str, after: int, choices: list[target_pb2.VerifyChoice], deadline: float
@@ -120,7 +147,10 @@ class TargetLink:
         """End a request's session for good: retire_id, since no request reuses an id, so that a
         call of the request still on its way is refused instead of opening the session again."""
         request = target_pb2.TargetEndSessionRequest(session_id=session_id, retire_id=True)
-        await self._stub.EndSession(request, metadata=self._metadata(), timeout=5.0)
+        try:
+            await self._stub.EndSession(request, metadata=self._metadata(), timeout=5.0)
+        finally:
+            self.session_wait.freed()  # a request waiting for a session may have one now
 
     async def close(self) -> None:
         await self._channel.close()

@@ -34,6 +34,7 @@ class WorkerSession:
     sent: int = 0
     call_ms: float | None = None  # wall time of the latest call answered through synced_call
     ended: bool = False  # the request is over and its EndSession sent: no call may open it again
+    opened: bool = False  # the worker has answered a call of it: it holds (or held) the session
     # Clear while a CatchUp sends a long tail ahead of a call: what waits on that call waits long.
     caught_up: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
@@ -47,6 +48,7 @@ class WorkerSession:
         """The worker answered a call sent `committed`; the next call continues from what it caches
         (a worker may cache fewer tokens than it was sent: a prefill keeps the last one back)."""
         self.sent = len(committed) if cached is None else min(len(committed), cached)
+        self.opened = True
 
     def unsure_after(self, position: int) -> None:
         """The worker may hold tokens past `position` that were never committed (a call for an

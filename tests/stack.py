@@ -44,6 +44,7 @@ class ServiceStack:
         self.target_overrides = target_overrides or {}
         self.tracer_providers = tracer_providers or {}  # role -> TracerProvider (default: from env)
         self.target = self.draft = self.coordinator = None
+        self.more_coordinators: list = []  # another_coordinator()'s
 
     def run(self, coro, timeout: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -88,6 +89,12 @@ class ServiceStack:
         await service.ready
         return service
 
+    def another_coordinator(self):
+        """One more coordinator, with the same settings, on the same workers; close() stops it."""
+        service = self.run(self._start_coordinator())
+        self.more_coordinators.append(service)
+        return service
+
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.coordinator.port}"
@@ -111,7 +118,7 @@ class ServiceStack:
         self.target = self.run(self._start_target(port=self.target.port))
 
     def close(self) -> None:
-        for service in (self.coordinator, self.draft, self.target):
+        for service in (*self.more_coordinators, self.coordinator, self.draft, self.target):
             if service is not None:
                 try:
                     self.run(service.stop(0), timeout=10)

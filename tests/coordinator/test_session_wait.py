@@ -1,0 +1,83 @@
+"""A target at its --max-sessions: a new session's first call waits for one to free instead of
+failing, asks again when a session of its coordinator ends, in the order the requests were
+refused, and, while the target refuses sessions, open_session waits for the request's session
+before any round (coordinator/session_wait.py).
+
+Against a real target worker holding ONE session, through the coordinator's own TargetLink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.target_link import TargetLink
+from coordinator.workers import WorkerSession
+from tests.conftest import running_stack
+from tests.stack import wait_for
+
+PROMPT = [5, 17, 33, 8]
+SETTLE_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def one_session_target(tiny_pair):
+    with running_stack(tiny_pair[0], None, target_overrides={"max_sessions": 1}) as stack:
+        yield stack
+
+
+def test_new_sessions_wait_their_turn_for_a_session_to_free(one_session_target):
+    stack = one_session_target
+
+    async def scenario() -> None:
+        link = TargetLink(f"127.0.0.1:{stack.target.port}", timeout_s=10.0)
+        first, second, third = (WorkerSession(f"session-wait-{n}") for n in range(3))
+        try:
+            await link.prefill(first, PROMPT)  # the target's one session
+            assert first.opened and not link.session_wait.full
+            waiting = asyncio.ensure_future(link.prefill(second, PROMPT))
+            await until(lambda: link.session_wait.waiting == 1, "the second session waits")
+            assert link.session_wait.full and not second.opened
+            # While the target refuses sessions, a request opens its own before any round: it waits too.
+            opening = asyncio.ensure_future(link.open_session(third, PROMPT))
+            await until(lambda: link.session_wait.waiting == 2, "the third session waits")
+            # The freed session goes to the request refused first: refused requests ask again in turn.
+            await link.end_session(first.session_id)
+            await asyncio.wait_for(waiting, SETTLE_S)
+            assert second.opened and not opening.done() and link.session_wait.waiting == 1
+            await link.end_session(second.session_id)
+            await asyncio.wait_for(opening, SETTLE_S)
+            assert second.opened and third.opened
+            # open_session sent one token, which a prefill keeps back: nothing cached, the round sends all.
+            assert third.sent == 0
+        finally:
+            for session in (second, third):
+                await link.end_session(session.session_id)
+            await link.close()
+
+    stack.run(scenario(), timeout=60.0)
+    assert wait_for(lambda: len(stack.target.servicer.runner.sessions) == 0, SETTLE_S)
+
+
+def test_open_session_sends_nothing_while_the_target_has_room(one_session_target):
+    stack = one_session_target
+
+    async def scenario() -> None:
+        link = TargetLink(f"127.0.0.1:{stack.target.port}", timeout_s=10.0)
+        session = WorkerSession("session-wait-room")
+        try:
+            await link.open_session(session, PROMPT)
+            assert not session.opened  # no call: the first round's opens it
+        finally:
+            await link.close()
+
+    stack.run(scenario(), timeout=60.0)
+
+
+async def until(condition, what: str) -> None:
+    for _ in range(int(SETTLE_S / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {SETTLE_S:.0f} s: {what}")
