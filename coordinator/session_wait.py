@@ -1,4 +1,5 @@
-"""Waiting for a target session: a target at its --max-sessions refuses to open another.
+"""Waiting for a target session: a target at its --max-sessions, or whose KV budget has no room for
+the session's reservation (--kv-cache-bytes), refuses to open another.
 
 Each coordinator sizes its admission from the workers' caps as if it were their only client, so
 several coordinators on one worker pair admit more requests together than the target holds

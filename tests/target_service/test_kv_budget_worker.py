@@ -1,9 +1,12 @@
 """A target worker with --kv-cache-bytes: the session a call opens reserves the room its
 CommittedTokens.reserve_tokens asks; one that does not fit beside the others is refused
-RESOURCE_EXHAUSTED, and a coordinator's requests, which reserve their most tokens, run within it.
+RESOURCE_EXHAUSTED, and a coordinator's requests, which reserve their most tokens, run within it
+(one that finds no room waits for it, as for a session: coordinator/session_wait.py).
 A budget smaller than the model's context makes the context the worker serves."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import pytest
@@ -57,21 +60,38 @@ def test_a_session_that_does_not_fit_the_budget_is_refused_until_room_frees(targ
         _prefill(target, "second", 200)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "KV cache budget" in refused.value.details() and "200 tokens" in refused.value.details()
-    target.EndSession(target_pb2.TargetEndSessionRequest(session_id="first"), timeout=CALL_TIMEOUT_S)
+    _end(target, "first")
     _prefill(target, "second", 200)
-    target.EndSession(target_pb2.TargetEndSessionRequest(session_id="second"), timeout=CALL_TIMEOUT_S)
+    _end(target, "second")
 
 
-def test_coordinator_requests_reserve_their_most_tokens_within_the_budget(stack, target):
+def test_coordinator_requests_reserve_their_most_tokens_and_wait_for_room(stack, target):
     """Beside a session holding 200 of the 300 tokens, a request of 6 + 48 tokens runs (it reserves
-    its 54 and two verifies' drafts); one of 6 + 120 does not fit and is told why."""
+    its 54 and two verifies' drafts); one of 6 + 120 waits for room, and runs once that session ends."""
     _prefill(target, "holder", 200)
+    held = True
     try:
         fits = stack.stub().Generate(request(PROMPT, mode=pb.SPECULATION_MODE_SD, max_new_tokens=48), timeout=CALL_TIMEOUT_S)
         assert len(fits.token_ids) == 48
-        with pytest.raises(grpc.RpcError) as refused:
-            stack.stub().Generate(request(PROMPT, mode=pb.SPECULATION_MODE_SD, max_new_tokens=120), timeout=CALL_TIMEOUT_S)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "KV cache budget" in refused.value.details()
+        waits = stack.stub().Generate.future(request(PROMPT, mode=pb.SPECULATION_MODE_SD, max_new_tokens=120), timeout=CALL_TIMEOUT_S)
+        session_wait = stack.coordinator.servicer.target.session_wait
+        _until(lambda: session_wait.waiting == 1, "the request waits for KV room")
+        assert not waits.done()
+        _end(target, "holder")
+        held = False
+        assert len(waits.result().token_ids) == 120
     finally:
-        target.EndSession(target_pb2.TargetEndSessionRequest(session_id="holder"), timeout=CALL_TIMEOUT_S)
+        if held:
+            _end(target, "holder")
+
+
+def _end(target, session_id: str) -> None:
+    target.EndSession(target_pb2.TargetEndSessionRequest(session_id=session_id), timeout=CALL_TIMEOUT_S)
+
+
+def _until(condition, what: str, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within_s:.0f} s: {what}")
+        time.sleep(0.01)
