@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from specd.cli.parent_death import stop_with_parent
 from specd.core.config import ConfigError, add_arguments, from_namespace
 from specd.serving.cpus import pin_process
 
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"specd serve {args.role}: {exc}", file=sys.stderr)
         return 2
+    stop_with_parent()  # started by `specd up`: end with it, however it ends
     pin_process(config.cpus)  # before the server starts its threads; they inherit it
     server_module = importlib.import_module(ROLES[args.role][2])
     try:

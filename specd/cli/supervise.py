@@ -22,6 +22,8 @@ import sys
 import time
 from typing import TextIO
 
+from specd.cli.parent_death import PARENT_PID_VARIABLE
+
 # `specd up` wires its services to each other and checks their health in plaintext on loopback.
 # These variables would turn TLS on in a service (and the client's SPECD_TLS_CERT_FILE and
 # SPECD_TLS_KEY_FILE, exported for `specd generate`, share their names with a server's), so the
@@ -37,8 +39,10 @@ POLL_S = 0.5
 
 
 def service_environment(environ) -> dict[str, str]:
-    """The environment a service of the stack starts with: this one without PLAINTEXT_STACK_DROPS."""
-    return {name: value for name, value in environ.items() if name not in PLAINTEXT_STACK_DROPS}
+    """The environment a service of the stack starts with: this one without PLAINTEXT_STACK_DROPS,
+    naming this process as the parent the service ends with (specd/cli/parent_death.py)."""
+    kept = {name: value for name, value in environ.items() if name not in PLAINTEXT_STACK_DROPS}
+    return {**kept, PARENT_PID_VARIABLE: str(os.getpid())}
 
 
 @dataclasses.dataclass

@@ -239,7 +239,7 @@ def test_the_stack_starts_its_services_without_tls_settings():
 
     environ = {"PATH": "/bin", "SPECD_TLS_CERT_FILE": "me.crt", "SPECD_TLS_KEY_FILE": "me.key",
                "SPECD_WORKER_TLS_CA_FILE": "ca.crt", "SPECD_THREADS": "1"}
-    assert service_environment(environ) == {"PATH": "/bin", "SPECD_THREADS": "1"}
+    assert service_environment(environ) == {"PATH": "/bin", "SPECD_THREADS": "1", "SPECD_PARENT_PID": str(os.getpid())}
 
 
 def _args(**changes):
