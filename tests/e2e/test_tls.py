@@ -178,7 +178,7 @@ def test_unreadable_files_are_a_clear_error(pki, tmp_path, capsys, clean_env):
     empty.write_text("")
     with pytest.raises(ConfigError, match="--tls-key-file .*empty"):
         server_credentials(pki.server.cert_file, str(empty))
-    code = main(["serve", "coordinator", "--port", "0", "--metrics-port", "-1",
+    code = main(["serve", "coordinator", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
                  "--tls-cert-file", missing, "--tls-key-file", pki.server.key_file])
     assert code == 2
     assert f"--tls-cert-file {missing}: cannot read it" in capsys.readouterr().err
