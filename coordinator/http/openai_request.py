@@ -111,12 +111,12 @@ def _check_choices(body: dict) -> None:
 
 
 def _max_tokens(body: dict) -> int | None:
-    """max_completion_tokens (OpenAI's newer name), else max_tokens; unset: the coordinator's default.
-    A value past int32 is told as too large by the coordinator's own limit check."""
+    """max_completion_tokens (OpenAI's newer name), else max_tokens; unset: the coordinator's default,
+    whose --max-new-tokens-limit bounds it from above."""
     for name in ("max_completion_tokens", "max_tokens"):
-        value = _field(body, name, int)
+        value = _integer(body, name, 1, INT32_MAX)
         if value is not None:
-            return min(value, INT32_MAX) if value > 0 else max(value, -INT32_MAX)
+            return value
     return None
 
 
