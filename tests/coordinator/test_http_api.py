@@ -3,11 +3,13 @@ request path as Generate (same text, admission, tracing, auth), OpenAI's shapes 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import secrets
 import shutil
 import subprocess
+import types
 import urllib.error
 import urllib.request
 
@@ -15,6 +17,8 @@ import grpc
 import openai
 import pytest
 
+from coordinator.config import CoordinatorConfig
+from coordinator.server import start_coordinator
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
 from tests.conftest import CALL_TIMEOUT_S, copy_target, running_stack
@@ -250,3 +254,24 @@ def test_a_client_that_goes_away_mid_stream_ends_its_request(served):
         connection.close()
     # Closed after its first event: the request ends, its place is let go and both sessions are ended.
     assert wait_for(lambda: _idle(stack), 10.0), "the request outlived its client"
+
+
+def test_before_the_target_answers_requests_are_a_503_and_health_says_loading():
+    async def answers() -> list[Answer]:
+        # No target listens there: the coordinator serves its ports and waits for it.
+        config = CoordinatorConfig(port=0, metrics_port=-1, http_port=0, target_address="127.0.0.1:1")
+        service = await start_coordinator(config)
+        stack = types.SimpleNamespace(http_url=f"http://127.0.0.1:{service.http.port}")
+        try:
+            calls = [("POST", "/v1/completions", {"prompt": "x"}), ("GET", "/v1/models", None), ("GET", "/health", None)]
+            return [await asyncio.to_thread(_call, stack, *call) for call in calls]
+        finally:
+            await service.stop(0)
+
+    completion, models, health = asyncio.run(answers())
+    for answer in (completion, models):
+        assert answer.status_code == 503
+        error = answer.json()["error"]
+        assert (error["code"], error["type"]) == ("UNAVAILABLE", "service_unavailable_error")
+        assert error["message"] == "the coordinator is waiting for the target worker at 127.0.0.1:1"
+    assert (health.status_code, health.json()) == (503, {"status": "loading"})
