@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 
@@ -43,6 +44,13 @@ def http_caller(request: web.Request) -> Caller:
         attributes={"http.request.method": request.method, "url.path": request.path, "specd.api": "openai"},
         failure_status=failure_status,
     )
+
+
+@dataclasses.dataclass
+class _Exchange:
+    """One request's answer so far: its event stream once the 200 has been sent (errors then travel as events)."""
+
+    stream: web.StreamResponse | None = None
 
 
 def _record_error(span: trace.Span, error: ApiError) -> None:
@@ -92,25 +100,24 @@ class OpenAiApi:
         event once a stream has begun). A client that goes away cancels this task, which ends the
         request and its worker sessions as a cancelled gRPC call does."""
         with llm_request(self.servicer.tracer, http_caller(request)) as span:
-            exchange: dict = {}
+            exchange = _Exchange()
             try:
                 return await self._answer(request, kind, trace_id_hex(span), exchange)
             except ConnectionError:  # the client went away while its answer was written
                 span.set_status(Status(StatusCode.ERROR, "the client went away"))
-                return exchange.get("stream") or web.Response(status=499)
+                return exchange.stream or web.Response(status=499)
             except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status at the API's edge
                 error = api_error(exc)
                 count_failure(self.servicer.metrics, error)
                 _record_error(span, error)
-                stream = exchange.get("stream")
-                if stream is None:
+                if exchange.stream is None:
                     return error.response()
                 with contextlib.suppress(ConnectionError):
-                    await stream.write(error.sse_event())
-                    await send_done(stream)
-                return stream
+                    await exchange.stream.write(error.sse_event())
+                    await send_done(exchange.stream)
+                return exchange.stream
 
-    async def _answer(self, request: web.Request, kind: str, trace_id: str, exchange: dict) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, kind: str, trace_id: str, exchange: "_Exchange") -> web.StreamResponse:
         api_request = parse_body(await self._body(request), kind)
         model = self._served_model(api_request.model)
         message = api_request.generate
@@ -118,9 +125,9 @@ class OpenAiApi:
         async with self.servicer.admitted(message, None) as (resolved, events):
             completion = Completion(kind, model, resolved.request_id, trace_id)
             if api_request.stream:
-                exchange["stream"] = stream = await open_stream(request)
-                await self._stream(stream, completion, events, api_request)
-                return stream
+                exchange.stream = await open_stream(request)
+                await self._stream(exchange.stream, completion, events, api_request)
+                return exchange.stream
             async for event in events:
                 if isinstance(event, Finish):
                     texts = await self._token_texts(event.token_ids, message.return_logprobs)
