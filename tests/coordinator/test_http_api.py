@@ -74,8 +74,9 @@ def _idle(stack) -> bool:
 
 def test_a_greedy_chat_returns_what_generate_returns(served, client):
     stack, _ = served
-    answer = client.chat.completions.create(model=_model(stack), messages=MESSAGES, **GREEDY)
-    reference = _generate(stack, messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES]))
+    answer = client.chat.completions.create(model=_model(stack), messages=MESSAGES, logprobs=True, **GREEDY)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    reference = _generate(stack, messages=chat, return_logprobs=True)
     assert answer.choices[0].message.content == reference.text and answer.choices[0].message.role == "assistant"
     assert answer.choices[0].finish_reason == "length" and answer.object == "chat.completion"
     usage = answer.usage
@@ -84,6 +85,9 @@ def test_a_greedy_chat_returns_what_generate_returns(served, client):
     specd = answer.model_extra["specd"]
     assert specd["stats"]["mode"] == "sd" and specd["stats"]["rounds"] >= 1 and len(specd["trace_id"]) == 32
     assert answer.id == "chatcmpl-" + specd["request_id"]
+    tokens = answer.choices[0].logprobs.content
+    assert [t.logprob for t in tokens] == pytest.approx(list(reference.logprobs)) and len(tokens) == 12
+    assert "".join(t.token for t in tokens) == reference.text  # each token's own text, in order
 
 
 def test_a_streamed_chat_is_the_same_text_with_a_usage_chunk_last(served, client):
