@@ -279,3 +279,24 @@ def test_before_the_target_answers_requests_are_a_503_and_health_says_loading():
         assert (error["code"], error["type"]) == ("UNAVAILABLE", "service_unavailable_error")
         assert error["message"] == "the coordinator is waiting for the target worker at 127.0.0.1:1"
     assert (health.status_code, health.json()) == (503, {"status": "loading"})
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_done(served):
+    """After the 200 has gone, a failure travels as a `data: {"error": ...}` event (here: the
+    target worker stops under a running stream), then `data: [DONE]`."""
+    stack, _ = served
+    body = {"prompt": "def add(a, b):", "max_tokens": 400, "ignore_eos": True, "stream": True, "speculation_mode": "off"}
+    connection = http.client.HTTPConnection("127.0.0.1", stack.coordinator.http.port, timeout=CALL_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body),
+                           {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        stack.stop_target()
+        events = [line.decode().strip() for line in response.read().split(b"\n\n") if line.strip()]
+    finally:
+        connection.close()
+        stack.restart_target()
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert (error["code"], error["type"]) == ("UNAVAILABLE", "service_unavailable_error") and error["message"]
