@@ -22,7 +22,7 @@ from coordinator.server import start_coordinator
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
 from tests.conftest import CALL_TIMEOUT_S, copy_target, running_stack
-from tests.stack import prefill_gate, wait_for
+from tests.stack import RunnerGate, prefill_gate, wait_for
 from tests.tracing import in_memory_tracing
 
 TOKEN = "specd-test-" + secrets.token_hex(16)
@@ -282,17 +282,23 @@ def test_before_the_target_answers_requests_are_a_503_and_health_says_loading():
 
 
 def test_a_failure_mid_stream_is_an_error_event_then_done(served):
-    """After the 200 has gone, a failure travels as a `data: {"error": ...}` event (here: the
-    target worker stops under a running stream), then `data: [DONE]`."""
+    """After the 200 has gone, a failure travels as a `data: {"error": ...}` event, then `data: [DONE]`:
+    here the target worker stops while the draft proposes (no call is cut), so the next Verify
+    finds it gone."""
     stack, _ = served
-    body = {"prompt": "def add(a, b):", "max_tokens": 400, "ignore_eos": True, "stream": True, "speculation_mode": "off"}
+    body = {"prompt": "def add(a, b):", "max_tokens": 400, "ignore_eos": True, "stream": True, "speculation_mode": "sd"}
     connection = http.client.HTTPConnection("127.0.0.1", stack.coordinator.http.port, timeout=CALL_TIMEOUT_S)
     try:
         connection.request("POST", "/v1/completions", json.dumps(body),
                            {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
         response = connection.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")
-        stack.stop_target()
+        gate = RunnerGate(stack.draft.servicer.runner, "propose_job")
+        try:
+            assert gate.held.wait(CALL_TIMEOUT_S)
+            stack.stop_target()
+        finally:
+            gate.release()
         events = [line.decode().strip() for line in response.read().split(b"\n\n") if line.strip()]
     finally:
         connection.close()
