@@ -63,7 +63,7 @@ def start_stack(args, log_dir: pathlib.Path, processes: list[subprocess.Popen]) 
         "draft": ["draft", "--model", args.draft, "--port", str(ports["draft"]), "--threads", "1", "--metrics-port", "-1"],
     }
     coordinators = {
-        arm: ["coordinator", "--port", str(ports[arm]), "--metrics-port", "-1", "--target-address", f"127.0.0.1:{ports['target']}",
+        arm: ["coordinator", "--port", str(ports[arm]), "--metrics-port", "-1", "--http-port", "-1", "--target-address", f"127.0.0.1:{ports['target']}",
               "--draft-address", f"127.0.0.1:{ports['draft']}", "--ssd-budget", str(args.budget),
               "--num-speculative-tokens", str(args.k), *flags]
         for arm, (_, flags) in arms.items()

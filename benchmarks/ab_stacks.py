@@ -33,7 +33,7 @@ def start_stack(name: str, tree: str, flags: list[str], log_dir: pathlib.Path) -
     port = free_port("127.0.0.1")
     log = log_dir / f"{name}.log"
     env = {**os.environ, "PYTHONPATH": tree} if tree else None
-    argv = [sys.executable, "-m", "specd", "up", "--port", str(port), "--metrics-port", "-1",
+    argv = [sys.executable, "-m", "specd", "up", "--port", str(port), "--metrics-port", "-1", "--http-port", "-1",
             "--log-dir", str(log_dir / name), *flags]
     process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env=env, cwd=tree or None)

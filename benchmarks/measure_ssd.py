@@ -222,7 +222,7 @@ def _start_coordinators(
         mode, overrides = _parse_setting(text)
         port = _free_port()
         flags = ["--target-address", f"127.0.0.1:{target_port}", "--draft-address", f"127.0.0.1:{draft_port}"]
-        coordinators.append(_serve("coordinator", port, *flags, *pin.get("coordinator", []), *_flags(overrides)))
+        coordinators.append(_serve("coordinator", port, "--http-port", "-1", *flags, *pin.get("coordinator", []), *_flags(overrides)))
         _wait_serving(port, coordinators[-1])
         stubs.append((text, mode, coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
     return stubs

@@ -1,8 +1,8 @@
 """Bearer-token auth on the Coordinator service (`--auth-token-file`).
 
 Every RPC of the Coordinator service must carry the metadata `authorization: Bearer TOKEN`, else it
-ends UNAUTHENTICATED before its request is even decoded. Health checks and reflection stay open (a
-load balancer's probe holds no token). The token is compared in constant time and appears in no log,
+ends UNAUTHENTICATED before its request is even decoded (its HTTP API asks the same header, else
+401). Health checks and reflection stay open (a load balancer's probe holds no token). The token is compared in constant time and appears in no log,
 error message or span: the denial says only that a token is missing or wrong.
 """
 
@@ -30,6 +30,15 @@ def read_token(path: str) -> str:
     return token
 
 
+def bearer_token_matches(supplied: list, token: bytes) -> bool:
+    """Exactly one `authorization` value, of scheme Bearer (any case, as RFC 7235 has it), holding
+    the token; the token is compared in constant time. (gRPC metadata and HTTP headers alike.)"""
+    if len(supplied) != 1 or not isinstance(supplied[0], str):
+        return False
+    scheme, _, given = supplied[0].partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token)
+
+
 async def _deny_unary(request, context: grpc.aio.ServicerContext):
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
@@ -47,13 +56,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._prefix = f"/{service}/"
 
     def _authorized(self, metadata) -> bool:
-        """Exactly one `authorization` entry, of scheme Bearer (any case, as RFC 7235 has it),
-        holding the token; the token is compared in constant time."""
-        supplied = [value for key, value in metadata or () if key == "authorization"]
-        if len(supplied) != 1 or not isinstance(supplied[0], str):
-            return False
-        scheme, _, token = supplied[0].partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self._token)
+        return bearer_token_matches([value for key, value in metadata or () if key == "authorization"], self._token)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if not details.method.startswith(self._prefix) or self._authorized(details.invocation_metadata):

@@ -18,9 +18,12 @@ PROFILE_SETTINGS = ("num_speculative_tokens", "ssd_budget", "ssd_fanout_r", "ssd
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorConfig:
-    host: str = setting("127.0.0.1", "address to bind the gRPC and /metrics servers to (0.0.0.0: every interface)")
+    host: str = setting("127.0.0.1", "address to bind the gRPC, HTTP and /metrics servers to (0.0.0.0: every interface)")
     port: int = setting(50051, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(9401, "Prometheus /metrics port (0 picks a free one, -1 turns it off)")
+    http_port: int = setting(
+        8000, "OpenAI-compatible HTTP API port, TLS and token as the gRPC port's (0 picks a free one, -1 turns it off)"
+    )
     target_address: str = setting("localhost:50052", "target worker HOST:PORT")
     draft_address: str = setting("localhost:50053", "draft worker HOST:PORT (empty: target-only)")
     tokenizer: str = setting(
@@ -125,6 +128,8 @@ class CoordinatorConfig:
             raise ConfigError("--trace-max-round-spans must be >= 1")
         if self.worker_timeout_s <= 0 or self.draft_retry_s < 0 or self.startup_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.http_port < -1:
+            raise ConfigError("--http-port must be >= 0 (0: a free one) or -1 (no HTTP API)")
         if self.shutdown_grace_s < 0:
             raise ConfigError("--shutdown-grace-s must be >= 0")
         if self.worker_call_tokens < 0:

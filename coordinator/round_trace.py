@@ -32,6 +32,7 @@ from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from coordinator.policy import RoundPlan
@@ -45,61 +46,81 @@ FINISH_REASONS = {1: "stop", 2: "length"}
 UNUSED_ROUND = "spec_round_unused"
 
 
-def _start_llm_request(tracer: trace.Tracer, grpc_context, method: str) -> trace.Span:
-    attributes = {"rpc.system": "grpc", "rpc.service": "specd.v1.Coordinator", "rpc.method": method}
-    return tracer.start_span(
-        "llm_request",
-        context=context_from_metadata(grpc_context.invocation_metadata()),
-        kind=SpanKind.SERVER,
-        attributes=attributes,
-        set_status_on_exception=False,
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """The call a request's span serves, in its protocol's terms: the caller's trace context
+    (W3C traceparent, if it sent one), the protocol's span attributes, and, once the request has
+    failed, the status the caller is told (the span's attributes for it, and its message)."""
+
+    parent: Context
+    attributes: dict
+    failure_status: Callable[[BaseException], tuple[dict, str | None]]
+
+
+def grpc_caller(grpc_context, method: str) -> Caller:
+    """A Coordinator RPC: its metadata's traceparent, and its gRPC status (CANCELLED for a
+    caller that went away)."""
+
+    def failure_status(exc: BaseException) -> tuple[dict, str | None]:
+        code, details = grpc_context.code(), grpc_context.details()
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            code, details = grpc.StatusCode.CANCELLED, "the caller cancelled the call"
+        return ({"rpc.grpc.status_code": code.value[0]} if code is not None else {}), details
+
+    return Caller(
+        parent=context_from_metadata(grpc_context.invocation_metadata()),
+        attributes={"rpc.system": "grpc", "rpc.service": "specd.v1.Coordinator", "rpc.method": method},
+        failure_status=failure_status,
     )
 
 
-def _record_failure(span: trace.Span, grpc_context, exc: BaseException) -> None:
-    """The call's status on the span: CANCELLED for a caller that went away."""
+def _start_llm_request(tracer: trace.Tracer, caller: Caller) -> trace.Span:
+    return tracer.start_span(
+        "llm_request", context=caller.parent, kind=SpanKind.SERVER, attributes=caller.attributes, set_status_on_exception=False
+    )
+
+
+def _record_failure(span: trace.Span, caller: Caller, exc: BaseException) -> None:
+    """The status the caller got, on the span; a cancelled call records no exception."""
     if not span.is_recording():
         return
-    code, details = grpc_context.code(), grpc_context.details()
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        code, details = grpc.StatusCode.CANCELLED, "the caller cancelled the call"
-    else:
+    attributes, details = caller.failure_status(exc)
+    if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         span.record_exception(exc)
-    if code is not None:
-        span.set_attribute("rpc.grpc.status_code", code.value[0])
+    span.set_attributes(attributes)
     span.set_status(Status(StatusCode.ERROR, details or f"{type(exc).__name__}: {exc}"))
 
 
 @contextlib.contextmanager
-def llm_request(tracer: trace.Tracer, grpc_context, method: str) -> Iterator[trace.Span]:
+def llm_request(tracer: trace.Tracer, caller: Caller) -> Iterator[trace.Span]:
     """The request's SERVER span, current for the whole call: the trace's root on the
     coordinator, or a child of the caller's span when the call carries a `traceparent`.
     (The public service is not wrapped by the gRPC server interceptor: this span is its
     server span, so the trace does not open with an empty RPC span.) For a coroutine only:
     a streaming call uses llm_request_stream."""
-    span = _start_llm_request(tracer, grpc_context, method)
+    span = _start_llm_request(tracer, caller)
     with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
         try:
             yield span
         except BaseException as exc:
-            _record_failure(span, grpc_context, exc)
+            _record_failure(span, caller, exc)
             raise
 
 
 async def llm_request_stream(
-    tracer: trace.Tracer, grpc_context, method: str, open_messages: Callable[[str], AsyncIterator]
+    tracer: trace.Tracer, caller: Caller, open_messages: Callable[[str], AsyncIterator]
 ) -> AsyncIterator:
     """llm_request for a streaming call: the messages of open_messages(trace_id), each made
     with the span current. The span is never current across a yield: a caller that cancels
     while a message is being written leaves this generator at its yield, and asyncio closes it
     later in another task, where detaching a context attached here would fail."""
-    span = _start_llm_request(tracer, grpc_context, method)
+    span = _start_llm_request(tracer, caller)
     messages = open_messages(trace_id_hex(span))
     try:
         while (message := await _next_with(span, messages)) is not _END:
             yield message
     except BaseException as exc:
-        _record_failure(span, grpc_context, exc)
+        _record_failure(span, caller, exc)
         raise
     finally:
         with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):

@@ -11,6 +11,7 @@ import grpc
 from coordinator.auth import BearerTokenInterceptor, read_token
 from coordinator.config import CoordinatorConfig
 from coordinator.draft_link import DraftLink
+from coordinator.http.server import start_http
 from coordinator.profiles import profile_for
 from coordinator.request import TargetFacts
 from coordinator.servicer import CoordinatorServicer
@@ -95,6 +96,27 @@ async def connect(config: CoordinatorConfig, servicer: CoordinatorServicer) -> N
     servicer.connected(facts, profile)
 
 
+def worker_links(config: CoordinatorConfig, client_interceptors: list) -> tuple[TargetLink, DraftLink | None]:
+    """The links to the target worker and (unless --draft-address is empty) the draft worker."""
+    worker_credentials = channel_credentials(
+        config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-tls"
+    )
+    target = TargetLink(
+        config.target_address, config.worker_timeout_s, client_interceptors, worker_credentials, config.worker_call_tokens
+    )
+    if not config.draft_address:
+        return target, None
+    draft = DraftLink(
+        config.draft_address,
+        config.worker_timeout_s,
+        config.draft_retry_s,
+        client_interceptors,
+        worker_credentials,
+        config.worker_call_tokens,
+    )
+    return target, draft
+
+
 async def start_coordinator(
     config: CoordinatorConfig,
     interceptors: list | None = None,
@@ -105,27 +127,13 @@ async def start_coordinator(
     tracing interceptor (its llm_request span is the server span, see round_trace.py);
     client_interceptors=None joins worker calls to the request's trace."""
     credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
-    worker_credentials = channel_credentials(
-        config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-tls"
-    )
-    if config.auth_token_file:
-        interceptors = [BearerTokenInterceptor(read_token(config.auth_token_file), SERVICE_NAME), *(interceptors or [])]
+    token = read_token(config.auth_token_file) if config.auth_token_file else None
+    if token is not None:
+        interceptors = [BearerTokenInterceptor(token, SERVICE_NAME), *(interceptors or [])]
     provider = tracer_provider or tracer_provider_from_env(SERVICE_NAMES["coordinator"])
     if client_interceptors is None:
         client_interceptors = traced_client_interceptors(provider)
-    target = TargetLink(
-        config.target_address, config.worker_timeout_s, client_interceptors, worker_credentials, config.worker_call_tokens
-    )
-    draft = None
-    if config.draft_address:
-        draft = DraftLink(
-            config.draft_address,
-            config.worker_timeout_s,
-            config.draft_retry_s,
-            client_interceptors,
-            worker_credentials,
-            config.worker_call_tokens,
-        )
+    target, draft = worker_links(config, client_interceptors)
     servicer = CoordinatorServicer(config, target, draft, get_tracer(provider), CoordinatorMetrics())
     servicer.metrics.track_admission(servicer.admission)
     server, port, health_state = create_server(
@@ -144,6 +152,9 @@ async def start_coordinator(
     service.closers.append(servicer.close)
     servicer.metrics.serve_for(service, config.host, config.metrics_port)
     await health_state.set(NOT_SERVING)
+    if config.http_port >= 0:
+        service.http = await start_http(servicer, config, token)
+        service.closers.insert(0, service.http.stop)  # before the servicer's threads stop: its requests end first
     await server.start()
 
     async def become_ready() -> None:

@@ -19,7 +19,7 @@ from coordinator.output import Chunk, Finish
 from coordinator.profiles import SpeculationProfile
 from coordinator.request import ResolvedRequest, TargetFacts, check, resolve
 from coordinator.request_log import RequestRecord
-from coordinator.round_trace import llm_request, llm_request_stream
+from coordinator.round_trace import grpc_caller, llm_request, llm_request_stream
 from coordinator.target_link import TargetLink
 from specd.observability.telemetry import get_tracer, trace_id_hex
 from specd.serving.status import ModelLoading, rpc_edge
@@ -79,13 +79,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         await self._on_prompt_thread(check, request)
 
     async def _on_prompt_thread(self, work, request: coordinator_pb2.GenerateRequest):
-        facts = self._ready_facts()
+        facts = self.ready_facts()
         pool = self._pools["large-prompt" if request.ByteSize() > _LARGE_REQUEST_BYTES else "prompt"]
         return await asyncio.get_running_loop().run_in_executor(
             pool, work, request, facts, self.config, self.profile.num_speculative_tokens
         )
 
-    def _ready_facts(self) -> TargetFacts:
+    def ready_facts(self) -> TargetFacts:
         if self.facts is None:
             raise ModelLoading(f"the coordinator is waiting for the target worker at {self.target.address}")
         return self.facts
@@ -98,14 +98,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return running_limit(self.config.max_concurrent_requests, [target_cap, self._draft_max_sessions])
 
     async def Generate(self, request, context):
-        with llm_request(self.tracer, context, "Generate") as span:
+        with llm_request(self.tracer, grpc_caller(context, "Generate")) as span:
             return await self._generate(request, context, _record(request, trace_id_hex(span)))
 
     async def GenerateStream(self, request, context):
         messages = llm_request_stream(
             self.tracer,
-            context,
-            "GenerateStream",
+            grpc_caller(context, "GenerateStream"),
             lambda trace_id: self._generate_stream(request, context, _record(request, trace_id)),
         )
         async with contextlib.aclosing(messages):
@@ -113,18 +112,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 yield message
 
     @contextlib.asynccontextmanager
-    async def _admitted(
-        self, request, context, record: RequestRecord | None = None
+    async def admitted(
+        self, request: coordinator_pb2.GenerateRequest, timeout_s: float | None, record: RequestRecord | None = None
     ) -> AsyncIterator[tuple[ResolvedRequest, AsyncIterator[Chunk | Finish]]]:
         """The resolved request and its events, once it has a place (it may queue for one; the queue's wait
-        ends at the call's deadline). While loading, UNAVAILABLE comes before any queueing. `record`,
-        the front's (Generator.run makes one without it), is filled in as the request runs."""
-        self._ready_facts()
+        ends after timeout_s, the call's deadline, if it has one). While loading, UNAVAILABLE comes before
+        any queueing. Every public API (gRPC, HTTP) runs its requests through here. `record`, the
+        front's (Generator.run makes one without it), is filled in as the request runs."""
+        self.ready_facts()
         await self._check(request)  # bad input is told so at once, not queued, nor told to retry
-        async with self.admission.place(context.time_remaining()) as place:
+        async with self.admission.place(timeout_s) as place:
             resolved = await self._resolve(request)
             # Closed here, not when collected: its sessions are ended before the place is let go.
-            events = self.generator.run(resolved, self._ready_facts(), self.profile, place, record)
+            events = self.generator.run(resolved, self.ready_facts(), self.profile, place, record)
             async with contextlib.aclosing(events) as events:
                 yield resolved, events
 
@@ -135,7 +135,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @rpc_edge(on_failure=_failed)
     async def _generate(self, request, context, record: RequestRecord):
         trace_id = record.trace_id
-        async with self._admitted(request, context, record) as (resolved, events):
+        async with self.admitted(request, context.time_remaining(), record) as (resolved, events):
             async for event in events:
                 if isinstance(event, Finish):
                     return coordinator_pb2.GenerateResponse(
@@ -148,7 +148,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @rpc_edge(on_failure=_failed)
     async def _generate_stream(self, request, context, record: RequestRecord):
         trace_id = record.trace_id
-        async with self._admitted(request, context, record) as (resolved, events):
+        async with self.admitted(request, context.time_remaining(), record) as (resolved, events):
             async for event in events:
                 if isinstance(event, Finish):
                     yield coordinator_pb2.GenerateStreamResponse(**event.response_fields(resolved.request_id, trace_id))
@@ -163,7 +163,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc_edge
     async def ModelInfo(self, request, context):
-        facts = self._ready_facts()
+        facts = self.ready_facts()
         draft_info = self.draft.info if self.draft is not None else None
         return coordinator_pb2.ModelInfoResponse(
             target_model=facts.model,

@@ -77,6 +77,7 @@ class ServiceStack:
             host="127.0.0.1",
             port=0,
             metrics_port=-1,
+            http_port=-1,  # a test that calls the HTTP API asks for one (http_port=0)
             target_address=f"127.0.0.1:{self.target.port}",
             draft_address=f"127.0.0.1:{self.draft.port}" if self.draft is not None else "",
             draft_retry_s=0.2,
@@ -98,6 +99,11 @@ class ServiceStack:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.coordinator.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The coordinator's HTTP API (started with coordinator_overrides={"http_port": 0})."""
+        return f"http://127.0.0.1:{self.coordinator.http.port}"
 
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
         channel = grpc.insecure_channel(self.address)

@@ -15,7 +15,7 @@ def main() -> int:
     parser.add_argument("--prompt", default="Write a Python function that reverses a string.")
     parser.add_argument("--max-new-tokens", default="128")
     args = parser.parse_args()
-    up = subprocess.Popen([sys.executable, "-m", "specd", "up", "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "specd", "up", "--port", "0", "--metrics-port", "0", "--http-port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         for line in up.stdout:
             print(line, end="", flush=True)

@@ -39,7 +39,7 @@ FILES = ("tests/engine/test_device_placement.py", "tests/tiny_models.py", "bench
          "benchmarks/synthetic_pair.py", "benchmarks/bench.py", "models/smollm2-draft/bench_prompts.json")
 # Each command and the flags this check passes it.
 FLAGS = {
-    ("specd", "up"): ("--target", "--draft", "--device", "--dtype", "--port", "--metrics-port", "--log-dir"),
+    ("specd", "up"): ("--target", "--draft", "--device", "--dtype", "--port", "--metrics-port", "--http-port", "--log-dir"),
     ("specd", "bench"): ("--target", "--draft", "--device", "--dtype", "--modes", "--prompts", "--num-prompts",
                          "--max-new-tokens", "--json"),
     ("benchmarks/check_exactness.py",): ("--address", "--prompts-file", "--reference", "--modes", "--max-new-tokens", "--json"),
@@ -105,7 +105,7 @@ def start_stack(target: str, draft: str, dtype: str, log_dir: pathlib.Path, time
     """`specd up` on the GPU in a session of its own; its address once it serves."""
     process = subprocess.Popen(
         [sys.executable, "-m", "specd", "up", "--target", target, "--draft", draft, "--device", "cuda", "--dtype", dtype,
-         "--port", "0", "--metrics-port", "-1", "--log-dir", str(log_dir)],
+         "--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--log-dir", str(log_dir)],
         cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

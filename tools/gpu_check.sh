@@ -18,7 +18,7 @@ SERVING="grpc:grpcio grpc_health:grpcio-health-checking grpc_reflection:grpcio-r
 opentelemetry.sdk:opentelemetry-sdk opentelemetry.exporter.otlp.proto.grpc:opentelemetry-exporter-otlp-proto-grpc
 opentelemetry.exporter.otlp.proto.http:opentelemetry-exporter-otlp-proto-http
 opentelemetry.instrumentation.grpc:opentelemetry-instrumentation-grpc prometheus_client:prometheus-client
-jinja2:jinja2 pytest:pytest pytest_asyncio:pytest-asyncio"
+jinja2:jinja2 aiohttp:aiohttp pytest:pytest pytest_asyncio:pytest-asyncio"
 # Needs torch, which the machine has: fetched without its dependencies.
 NO_DEPS="accelerate:accelerate"
 

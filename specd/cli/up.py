@@ -22,6 +22,7 @@ from specd.serving.cpus import cpus_flags, describe_cpus, stack_layout
 
 DEFAULT_COORDINATOR_PORT = 50051
 DEFAULT_METRICS_PORT = 9401  # the coordinator's; the target and the draft get the next two
+DEFAULT_HTTP_PORT = 8000  # the coordinator's OpenAI-compatible HTTP API, where vLLM serves its own
 
 
 def state_file() -> pathlib.Path:
@@ -42,6 +43,9 @@ def add_parser(subparsers) -> None:
                         help="address every service binds to; 0.0.0.0: every interface (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_COORDINATOR_PORT,
                         help="coordinator port; refuses to start if it is taken; 0: a free one (default: %(default)s)")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help="the coordinator's OpenAI-compatible HTTP port; refuses to start if it is taken; 0: a free one, "
+                             "-1: no HTTP API (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="the coordinator's /metrics port; the target and the draft get the next two "
                              "(0: free ones, -1: no /metrics; default: %(default)s)")
@@ -80,9 +84,10 @@ def free_port(host: str, preferred: int = 0) -> int:
     raise OSError(f"no free port on {host}")
 
 
-def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
-    """gRPC ports (coordinator: `port`, workers: free ones) and metrics ports (`metrics-*`:
-    metrics_port and the next two; free ones for 0; none for -1). Raises PortTaken.
+def choose_ports(host: str, port: int, metrics_port: int, http_port: int = -1) -> dict[str, int]:
+    """gRPC ports (coordinator: `port`, workers: free ones), the coordinator's HTTP port (`http`:
+    http_port; a free one for 0; none for -1) and metrics ports (`metrics-*`: metrics_port and the
+    next two; free ones for 0; none for -1). Raises PortTaken.
 
     Each port stays bound here until all are chosen: a free port the system picks is then never
     one already chosen (the coordinator's, checked free a moment before, was once handed to the
@@ -117,7 +122,14 @@ def choose_ports(host: str, port: int, metrics_port: int) -> dict[str, int]:
                     raise PortTaken(f"metrics port {wanted} on {host} ({name}) is taken; choose others with "
                                     f"--metrics-port (the coordinator's; the workers get the next two; 0: free ones, -1: none)")
                 ports[f"metrics-{name}"] = wanted
+        if http_port > 0:
+            if http_port == port or http_port in ports.values() or hold(http_port) is None:
+                raise PortTaken(f"http port {http_port} on {host} is taken; choose another with --http-port "
+                                "(0: a free one, -1: no HTTP API)")
+            ports["http"] = http_port
         ports.update(coordinator=port or hold_free(), target=hold_free(), draft=hold_free())
+        if http_port == 0:
+            ports["http"] = hold_free()
         if metrics_port == 0:
             for name in ("coordinator", "target", "draft"):
                 ports[f"metrics-{name}"] = hold_free()
@@ -217,6 +229,7 @@ def build_services(args: argparse.Namespace, ports: dict[str, int], log_dir: pat
         "target": ["target", "--model", args.target, "--port", str(ports["target"]), *worker_flags, "--device", args.device,
                    "--metrics-port", metrics["target"], "--tensor-parallel", str(args.target_tensor_parallel)],
         "coordinator": ["coordinator", "--host", host, "--port", str(ports["coordinator"]), "--metrics-port", metrics["coordinator"],
+                        "--http-port", str(ports.get("http", -1)),
                         "--target-address", address["target"], "--draft-address", address["draft"] if args.draft else ""],
     }
     if args.draft:
@@ -268,7 +281,7 @@ def release_state_file() -> None:
 
 def prepare(args: argparse.Namespace) -> dict[str, int]:
     """Everything that can refuse the start before a process runs: ports, then models."""
-    ports = choose_ports(args.host, args.port, args.metrics_port)
+    ports = choose_ports(args.host, args.port, args.metrics_port, args.http_port)
     check_models([args.target, args.draft])
     prepare_default_target([args.target, args.draft])
     return ports
@@ -305,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
             supervisor.say(f"another `specd up` serves {default}, which stays `specd generate`'s default; "
                            f"use --address {address}")
         print(f"coordinator listening on {address}", flush=True)
+        if "http" in ports:
+            print(f"http listening on {args.host}:{ports['http']}", flush=True)
         supervisor.run_forever()
     except KeyboardInterrupt:
         failed = False

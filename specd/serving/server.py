@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from typing import Callable, Iterable
@@ -125,7 +126,8 @@ class RunningService:
         self.background: list[asyncio.Task] = []
         self.metrics = None  # the service's specd.metrics.ServiceMetrics
         self.tracer_provider = None
-        self.closers: list[Callable[[], None]] = []  # run once the server has stopped
+        self.closers: list[Callable[[], object]] = []  # run (and awaited, if they return an awaitable) once the server has stopped
+        self.http = None  # the coordinator's HTTP API server, if it serves one
 
     async def stop(self, grace_s: float = 1.0) -> None:
         for task in self.background:
@@ -137,7 +139,9 @@ class RunningService:
         if self.thread is not None:
             self.thread.shutdown()
         for close in self.closers:
-            close()
+            closed = close()
+            if inspect.isawaitable(closed):  # a server of its own, such as the coordinator's HTTP API
+                await closed
         self.closers.clear()
 
     async def serve_until_signal(self, grace_s: float = 5.0) -> None:

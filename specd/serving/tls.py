@@ -8,6 +8,8 @@ certificate and key, presents them to an mTLS server.
 
 from __future__ import annotations
 
+import ssl
+
 import grpc
 
 from specd.core.config import ConfigError
@@ -65,3 +67,23 @@ def channel_credentials(ca_file: str, cert_file: str, key_file: str, prefix: str
         private_key=read_pem(key_file, f"{prefix}-key-file") if key_file else None,
         certificate_chain=read_pem(cert_file, f"{prefix}-cert-file") if cert_file else None,
     )
+
+
+def server_ssl_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext | None:
+    """server_credentials' settings for a server outside gRPC (the coordinator's HTTP API): TLS, and
+    with a client CA, mTLS; None for plaintext. The same files, read and checked as they are for gRPC."""
+    check_server_settings(cert_file, key_file, client_ca_file)
+    if not cert_file:
+        return None
+    for path, flag in ((cert_file, "--tls-cert-file"), (key_file, "--tls-key-file"), (client_ca_file, "--tls-client-ca-file")):
+        if path:
+            read_pem(path, flag)  # a missing or empty file is told by its flag
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+        if client_ca_file:
+            context.load_verify_locations(cafile=client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except ssl.SSLError as exc:
+        raise ConfigError(f"--tls-cert-file {cert_file} / --tls-key-file {key_file}: not a usable certificate and key ({exc})") from None
+    return context

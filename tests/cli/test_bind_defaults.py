@@ -1,4 +1,4 @@
-"""`specd serve` binds loopback unless told otherwise: gRPC and /metrics alike."""
+"""`specd serve` binds loopback unless told otherwise: gRPC, HTTP and /metrics alike."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ def test_serve_binds_loopback_by_default_and_host_or_env_changes_it(role):
         assert build_parser(argv).parse_args(argv).host == "0.0.0.0"
 
 
-def test_the_metrics_server_binds_the_same_loopback_host():
-    async def bound_metrics_host() -> str:
+def test_the_metrics_and_http_servers_bind_the_same_loopback_host():
+    async def bound_hosts() -> tuple[str, str]:
         # No target listens there: the coordinator serves (NOT_SERVING) and waits for it.
-        config = dataclasses.replace(CoordinatorConfig(), port=0, metrics_port=0, target_address="127.0.0.1:1")
+        config = dataclasses.replace(CoordinatorConfig(), port=0, metrics_port=0, http_port=0, target_address="127.0.0.1:1")
         service = await start_coordinator(config)
         try:
-            return service.metrics._server.server_address[0]
+            return service.metrics._server.server_address[0], service.http.runner.addresses[0][0]
         finally:
             await service.stop(0)
 
-    assert asyncio.run(bound_metrics_host()) == "127.0.0.1"
+    assert asyncio.run(bound_hosts()) == ("127.0.0.1", "127.0.0.1")

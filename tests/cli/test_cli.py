@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -136,7 +137,7 @@ def test_up_prints_one_address_line_and_stops_everything(tiny_pair, tmp_path):
     up = subprocess.Popen(
         # --device cpu: pinned as on a CPU host, on a GPU host too
         [sys.executable, "-m", "specd", "up", "--target", target, "--draft", draft, "--device", "cpu", "--port", "0",
-         "--log-dir", str(tmp_path)],
+         "--http-port", "0", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -144,6 +145,10 @@ def test_up_prints_one_address_line_and_stops_everything(tiny_pair, tmp_path):
         match = re.fullmatch(r"coordinator listening on (\S+):(\d+)\n", line)
         assert match, f"unexpected first line {line!r}; stderr: {up.stderr.read() if up.poll() is not None else ''}"
         address = f"{match.group(1)}:{match.group(2)}"
+        http_line = up.stdout.readline()  # right after the coordinator's: the OpenAI-compatible API
+        assert (http := re.fullmatch(r"http listening on (127\.0\.0\.1:\d+)\n", http_line)), repr(http_line)
+        with urllib.request.urlopen(f"http://{http.group(1)}/v1/models", timeout=30) as models:
+            assert [model["id"] for model in json.load(models)["data"]] == [target]
         result = specd("generate", "--address", address, "--json", "--max-new-tokens", "4", "--temperature", "0", "hi")
         assert result.returncode == 0, result.stderr
         assert len(json.loads(result.stdout)["token_ids"]) >= 1

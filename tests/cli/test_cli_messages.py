@@ -66,7 +66,7 @@ def test_a_missing_tokenizer_folder_says_no_such_folder(tiny_pair, tmp_path):
     missing = str(tmp_path / "no-tokenizer-here")
     with running_stack(tiny_pair[0], None) as stack:
         result = specd("serve", "coordinator", "--tokenizer", missing, "--host", "127.0.0.1", "--port", "0",
-                       "--metrics-port", "-1", "--target-address", f"127.0.0.1:{stack.target.port}", "--draft-address", "")
+                       "--metrics-port", "-1", "--http-port", "-1", "--target-address", f"127.0.0.1:{stack.target.port}", "--draft-address", "")
     assert result.returncode == 1
     assert f"specd serve coordinator: no such folder: {missing}" in result.stderr, result.stderr[-2000:]
 
@@ -75,7 +75,7 @@ def test_a_missing_tokenizer_folder_says_no_such_folder(tiny_pair, tmp_path):
 def test_up_checks_model_folders_before_starting_anything(tiny_pair, tmp_path, which):
     missing = str(tmp_path / "nowhere")
     models = {"--target": tiny_pair[0], "--draft": tiny_pair[1], which: missing}
-    result = specd("up", "--port", "0", "--metrics-port", "-1", "--log-dir", str(tmp_path / "logs"),
+    result = specd("up", "--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--log-dir", str(tmp_path / "logs"),
                    *[part for flag, value in models.items() for part in (flag, value)],
                    env={"XDG_RUNTIME_DIR": str(tmp_path)})
     assert result.returncode == 1

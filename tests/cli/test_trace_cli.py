@@ -50,7 +50,7 @@ def test_served_stack_exports_the_whole_trace(tiny_pair, tmp_path, capsys):
         _serve("target", ports["target"], ["--model", target, *worker], env, log),
         _serve("draft", ports["draft"], ["--model", draft, *worker], env, log),
         _serve("coordinator", ports["coordinator"], ["--target-address", f"127.0.0.1:{ports['target']}",
-               "--draft-address", f"127.0.0.1:{ports['draft']}"], env, log),
+               "--draft-address", f"127.0.0.1:{ports['draft']}", "--http-port", "-1"], env, log),
     ]
     try:
         address = f"127.0.0.1:{ports['coordinator']}"

@@ -50,7 +50,7 @@ class Up:
         # Its own state file and temporary folder; its own process group, as a terminal gives a command.
         self.env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "TMPDIR": str(tmp_path)}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specd", "up", "--no-pin-cpus",
+            [sys.executable, "-m", "specd", "up", "--no-pin-cpus", "--http-port", "0",
              *(["--log-dir", str(tmp_path / "logs")] if log_dir else []), *args],
             stdout=subprocess.PIPE, stderr=self.err_path.open("w"), text=True, env=self.env, process_group=0,
         )
@@ -142,13 +142,13 @@ def test_up_restarts_what_dies_while_the_rest_serves(tiny_pair, tmp_path):
     assert not list(tmp_path.glob("specd-up-*.json")), "the state file outlived specd up"
 
 
-@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+@pytest.mark.parametrize("which", ["--port", "--metrics-port", "--http-port"])
 def test_up_refuses_a_taken_port_before_starting_anything(tmp_path, which):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     taken = holder.getsockname()[1]
-    port_flags = ["--port", str(taken)] if which == "--port" else ["--port", "0", "--metrics-port", str(taken)]
+    port_flags = ["--port", str(taken)] if which == "--port" else ["--port", "0", which, str(taken)]
     try:
         up = Up(tmp_path, "--target", str(tmp_path / "never-loaded"), *port_flags)
         up.process.wait(timeout=60)
@@ -221,15 +221,17 @@ class _LowestFreePortSockets:
 def test_free_ports_are_never_the_ports_already_chosen(monkeypatch, metrics_port):
     system = _LowestFreePortSockets()
     monkeypatch.setattr(up_module, "socket", system)
-    ports = up_module.choose_ports("127.0.0.1", 50000, metrics_port)  # the port the system would hand out next
+    ports = up_module.choose_ports("127.0.0.1", 50000, metrics_port, 0)  # the port the system would hand out next
     assert ports["coordinator"] == 50000
-    assert len(set(ports.values())) == len(ports) == (3 if metrics_port < 0 else 6), ports
+    assert len(set(ports.values())) == len(ports) == (4 if metrics_port < 0 else 7), ports
     assert not system.bound  # every socket closed again
     if metrics_port > 0:
         assert [ports[f"metrics-{name}"] for name in ("coordinator", "target", "draft")] == [51000, 51001, 51002]
     system.bound.add(50000)  # something else holds it now
     with pytest.raises(up_module.PortTaken, match="port 50000 on 127.0.0.1 is taken"):
         up_module.choose_ports("127.0.0.1", 50000, -1)
+    with pytest.raises(up_module.PortTaken, match="http port 50000 on 127.0.0.1 is taken; .*--http-port"):
+        up_module.choose_ports("127.0.0.1", 0, -1, 50000)
 
 
 def test_the_stack_starts_its_services_without_tls_settings():

@@ -118,6 +118,7 @@ class Chaos:
             host="127.0.0.1",
             port=0,
             metrics_port=-1,
+            http_port=-1,
             target_address=self.target.address,
             draft_address=self.draft.address,
             worker_timeout_s=WORKER_TIMEOUT_S,

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
     async def main(target, draft):
-        config = CoordinatorConfig(host="127.0.0.1", port=0, metrics_port=-1, target_address=target, draft_address=draft)
+        config = CoordinatorConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, target_address=target, draft_address=draft)
         service = await start_coordinator(config)
         await service.ready
         async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:

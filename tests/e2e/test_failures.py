@@ -164,6 +164,7 @@ def test_target_unreachable_at_start_is_unavailable_quickly(tiny_pair):
         host="127.0.0.1",
         port=0,
         metrics_port=-1,
+        http_port=-1,
         target_address=f"127.0.0.1:{closed_port}",
         draft_address="",
         startup_timeout_s=60.0,

@@ -51,7 +51,7 @@ def test_sigterm_refuses_new_requests_and_lets_running_ones_finish_within_the_gr
         log = (tmp_path / "coordinator.log").open("w")
         process = subprocess.Popen(
             [sys.executable, "-m", "specd", "serve", "coordinator", "--host", "127.0.0.1", "--port", str(port),
-             "--metrics-port", "-1", "--target-address", f"127.0.0.1:{stack.target.port}",
+             "--metrics-port", "-1", "--http-port", "-1", "--target-address", f"127.0.0.1:{stack.target.port}",
              "--draft-address", f"127.0.0.1:{stack.draft.port}", "--shutdown-grace-s", str(grace_s)],
             stdout=log, stderr=subprocess.STDOUT,
         )

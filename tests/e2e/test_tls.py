@@ -8,11 +8,16 @@ its own clients TLS, wanting a bearer token as well.
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
 import os
+import ssl
 import subprocess
 import sys
 import types
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -20,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.auth import read_token
 from coordinator.config import CoordinatorConfig
+from coordinator.server import start_coordinator
 from specd.cli import main
 from specd.core.config import ConfigError
 from specd.serving.tls import channel_credentials, server_credentials
@@ -55,6 +61,7 @@ def secure_stack(tiny_pair, pki):
         "worker_tls_cert_file": pki.client.cert_file,
         "worker_tls_key_file": pki.client.key_file,
         "auth_token_file": pki.token_file,
+        "http_port": 0,
     }
     with running_stack(*tiny_pair, target_overrides=mtls, draft_overrides=mtls, coordinator_overrides=coordinator) as stack:
         yield stack
@@ -178,7 +185,7 @@ def test_unreadable_files_are_a_clear_error(pki, tmp_path, capsys, clean_env):
     empty.write_text("")
     with pytest.raises(ConfigError, match="--tls-key-file .*empty"):
         server_credentials(pki.server.cert_file, str(empty))
-    code = main(["serve", "coordinator", "--port", "0", "--metrics-port", "-1",
+    code = main(["serve", "coordinator", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
                  "--tls-cert-file", missing, "--tls-key-file", pki.server.key_file])
     assert code == 2
     assert f"--tls-cert-file {missing}: cannot read it" in capsys.readouterr().err
@@ -205,3 +212,49 @@ def test_an_unreadable_ca_file_is_a_clear_error_without_a_traceback(tmp_path, ca
     missing = str(tmp_path / "missing-ca.crt")
     assert main(["health", "--address", "127.0.0.1:1", "--tls-ca-file", missing]) == 2
     assert capsys.readouterr().err == f"specd health: --tls-ca-file {missing}: cannot read it (No such file or directory)\n"
+
+
+def _https(url: str, context: ssl.SSLContext, token: str = "") -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=CONNECT_TIMEOUT_S, context=context) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def test_the_http_api_serves_tls_with_the_grpc_ports_certificate_and_token(secure_stack, pki):
+    url = f"https://127.0.0.1:{secure_stack.coordinator.http.port}"
+    trusting = ssl.create_default_context(cafile=pki.ca.ca_file)
+    status, models = _https(url + "/v1/models", trusting, read_token(pki.token_file))
+    assert status == 200 and [m["id"] for m in models["data"]] == [secure_stack.target_model]
+    assert _https(url + "/v1/models", trusting)[0] == 401
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        _https(url + "/health", ssl.create_default_context(cafile=pki.other.ca_file))
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(f"http://127.0.0.1:{secure_stack.coordinator.http.port}/health", timeout=CONNECT_TIMEOUT_S)
+
+
+def test_the_http_api_asks_for_client_certificates_with_a_client_ca(pki):
+    async def health_with_and_without_a_client_certificate() -> tuple:
+        # No target listens there: /health answers 503 (loading), which is enough to see the handshake.
+        config = CoordinatorConfig(port=0, metrics_port=-1, http_port=0, target_address="127.0.0.1:1", tls_cert_file=pki.server.cert_file,
+                                   tls_key_file=pki.server.key_file, tls_client_ca_file=pki.ca.ca_file)
+        service = await start_coordinator(config)
+        url = f"https://127.0.0.1:{service.http.port}/health"
+        holder = ssl.create_default_context(cafile=pki.ca.ca_file)
+        holder.load_cert_chain(pki.client.cert_file, pki.client.key_file)
+        stranger = ssl.create_default_context(cafile=pki.ca.ca_file)
+        stranger.load_cert_chain(pki.stranger.cert_file, pki.stranger.key_file)
+        try:
+            results = []
+            for context in (holder, ssl.create_default_context(cafile=pki.ca.ca_file), stranger):
+                try:
+                    results.append((await asyncio.to_thread(_https, url, context))[0])
+                except (urllib.error.URLError, ConnectionError, ssl.SSLError):
+                    results.append("refused")
+            return tuple(results)
+        finally:
+            await service.stop(0)
+
+    assert asyncio.run(health_with_and_without_a_client_certificate()) == (503, "refused", "refused")

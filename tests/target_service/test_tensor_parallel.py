@@ -338,7 +338,7 @@ def stacks(tiny_pair, tp_server):
     tp_server.wait_serving()
 
     async def tp_coordinator():
-        config = CoordinatorConfig(host="127.0.0.1", port=0, metrics_port=-1, target_address=tp_server.address,
+        config = CoordinatorConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, target_address=tp_server.address,
                                    draft_address=f"127.0.0.1:{stack.draft.port}", draft_retry_s=0.2,
                                    worker_timeout_s=10.0)
         service = await start_coordinator(config)
