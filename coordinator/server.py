@@ -153,7 +153,7 @@ async def start_coordinator(
     servicer.metrics.serve_for(service, config.host, config.metrics_port)
     await health_state.set(NOT_SERVING)
     if config.http_port >= 0:
-        service.http = await start_http(servicer, config, token)
+        service.http = await start_http(servicer, config, token, health_state.gate)
         service.closers.insert(0, service.http.stop)  # before the servicer's threads stop: its requests end first
     await server.start()
 

@@ -177,8 +177,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
 
+def caller_request_id(request_id: str) -> str:
+    """A caller's request id as a record logs it before the request is resolved: cut to
+    MAX_ID_BYTES characters (an id too long, which the call is refused for, is not logged whole)."""
+    return request_id[:MAX_ID_BYTES]
+
+
 def _record(request: coordinator_pb2.GenerateRequest, trace_id: str) -> RequestRecord:
-    """A Generate call's record, from its start: its trace id and its caller's request id (cut
-    to MAX_ID_BYTES characters: an id too long, which the call is refused for, is not logged
-    whole), until the request is resolved."""
-    return RequestRecord(request_id=request.request_id[:MAX_ID_BYTES], trace_id=trace_id)
+    """A Generate call's record, from its start: its trace id and its caller's request id."""
+    return RequestRecord(request_id=caller_request_id(request.request_id), trace_id=trace_id)

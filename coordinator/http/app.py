@@ -20,14 +20,16 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from coordinator.http.errors import ApiError, api_error, bad_request, count_failure
+from coordinator.http.errors import ApiError, api_error, bad_request
 from coordinator.http.openai_request import CHAT, COMPLETION, ApiRequest, parse_body
 from coordinator.http.openai_response import Completion
 from coordinator.http.sse import open_stream, send_done, send_event
 from coordinator.output import Finish
+from coordinator.request_log import RequestRecord
 from coordinator.round_trace import Caller, llm_request
-from coordinator.servicer import CoordinatorServicer
+from coordinator.servicer import CoordinatorServicer, caller_request_id
 from specd.observability.telemetry import context_from_metadata, trace_id_hex
+from specd.serving.drain import DrainGate
 
 # Bodies past this size are parsed on a thread: a large prompt's JSON does not hold the event loop.
 _LARGE_BODY_BYTES = 64 * 1024
@@ -62,9 +64,10 @@ def _record_error(span: trace.Span, error: ApiError) -> None:
 class OpenAiApi:
     """The routes, over one coordinator's servicer."""
 
-    def __init__(self, servicer: CoordinatorServicer, max_body_bytes: int):
+    def __init__(self, servicer: CoordinatorServicer, max_body_bytes: int, gate: DrainGate | None = None):
         self.servicer = servicer
         self.max_body_bytes = max_body_bytes
+        self.gate = gate  # the coordinator's drain: its running requests include these; once closed, 503
         self.started = int(time.time())
 
     def routes(self) -> list[web.RouteDef]:
@@ -82,6 +85,8 @@ class OpenAiApi:
         return await self.generate(request, COMPLETION)
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.gate is not None and self.gate.closed:
+            return web.json_response({"status": "stopping"}, status=503)
         if self.servicer.facts is None:
             return web.json_response({"status": "loading"}, status=503)
         return web.json_response({"status": "ok"})
@@ -101,14 +106,19 @@ class OpenAiApi:
         request and its worker sessions as a cancelled gRPC call does."""
         with llm_request(self.servicer.tracer, http_caller(request)) as span:
             exchange = _Exchange()
+            record = RequestRecord(request_id=caller_request_id(request.headers.get("X-Request-Id", "")), trace_id=trace_id_hex(span))
             try:
-                return await self._answer(request, kind, trace_id_hex(span), exchange)
-            except ConnectionError:  # the client went away while its answer was written
+                with self._counted():
+                    return await self._answer(request, kind, record, exchange)
+            except (ConnectionError, asyncio.CancelledError) as exc:  # the client went away
+                record.failed(self.servicer.metrics, grpc.StatusCode.CANCELLED.name)
                 span.set_status(Status(StatusCode.ERROR, "the client went away"))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
                 return exchange.stream or web.Response(status=499)
             except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status at the API's edge
                 error = api_error(exc)
-                count_failure(self.servicer.metrics, error)
+                record.failed(self.servicer.metrics, error.code.name)
                 _record_error(span, error)
                 if exchange.stream is None:
                     return error.response()
@@ -117,13 +127,28 @@ class OpenAiApi:
                     await send_done(exchange.stream)
                 return exchange.stream
 
-    async def _answer(self, request: web.Request, kind: str, trace_id: str, exchange: "_Exchange") -> web.StreamResponse:
+    @contextlib.contextmanager
+    def _counted(self):
+        """The request among the coordinator's running calls, which a stop lets finish; refused
+        (503) once the stop has begun."""
+        if self.gate is None:
+            yield
+            return
+        if self.gate.closed:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, self.gate.refusal)
+        self.gate.started()
+        try:
+            yield
+        finally:
+            self.gate.ended()
+
+    async def _answer(self, request: web.Request, kind: str, record: RequestRecord, exchange: "_Exchange") -> web.StreamResponse:
         api_request = parse_body(await self._body(request), kind)
         model = self._served_model(api_request.model)
         message = api_request.generate
         message.request_id = request.headers.get("X-Request-Id", "")
-        async with self.servicer.admitted(message, None) as (resolved, events):
-            completion = Completion(kind, model, resolved.request_id, trace_id)
+        async with self.servicer.admitted(message, None, record) as (resolved, events):
+            completion = Completion(kind, model, resolved.request_id, record.trace_id)
             if api_request.stream:
                 exchange.stream = await open_stream(request)
                 await self._stream(exchange.stream, completion, events, api_request)

@@ -74,10 +74,3 @@ def api_error(exc: Exception) -> ApiError:
         log.exception("unexpected error", exc_info=exc)
         mapped = (grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
     return ApiError(*mapped)
-
-
-def count_failure(metrics, error: ApiError) -> None:
-    """Counted as the gRPC edge counts a failed request (by its gRPC code name)."""
-    observe = getattr(metrics, "observe_failure", None)
-    if observe is not None:
-        observe(error.code.name)

@@ -15,6 +15,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.http.app import OpenAiApi
 from coordinator.http.errors import ApiError
 from coordinator.servicer import CoordinatorServicer
+from specd.serving.drain import DrainGate
 from specd.serving.tls import server_ssl_context
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,12 @@ class HttpServer:
         await self.runner.cleanup()
 
 
-async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig, token: str | None) -> HttpServer:
-    """Serve the API on config.host:config.http_port (0: a free port)."""
-    api = OpenAiApi(servicer, config.max_prompt_bytes * _BODY_BYTES_PER_PROMPT_BYTE + _BODY_OVERHEAD_BYTES)
+async def start_http(
+    servicer: CoordinatorServicer, config: CoordinatorConfig, token: str | None, gate: DrainGate | None = None
+) -> HttpServer:
+    """Serve the API on config.host:config.http_port (0: a free port). `gate`: the coordinator's drain,
+    which counts the API's requests among its running calls and, once a stop has begun, refuses new ones."""
+    api = OpenAiApi(servicer, config.max_prompt_bytes * _BODY_BYTES_PER_PROMPT_BYTE + _BODY_OVERHEAD_BYTES, gate)
     app = web.Application(middlewares=[_json_not_found, _auth_middleware(token)], client_max_size=api.max_body_bytes)
     app.add_routes(api.routes())
     # handler_cancellation: a client that disconnects cancels its request, as a cancelled gRPC call does.

@@ -4,6 +4,8 @@ that never holds its text."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import re
 import urllib.error
@@ -123,3 +125,51 @@ def test_the_metrics_port_serves_metrics_only(stack):
     assert _get(port, "/metrics") == 200
     for path in ("/", "/health", "/v1/models", "/metrics/extra"):
         assert _get(port, path) == 404, path
+
+
+def _http(stack, body: dict, request_id: str) -> tuple[int, dict]:
+    call = urllib.request.Request(stack.http_url + "/v1/completions", json.dumps(body).encode(),
+                                  {"Content-Type": "application/json", "X-Request-Id": request_id})
+    try:
+        with urllib.request.urlopen(call, timeout=CALL_TIMEOUT_S) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read())
+
+
+def _http_client_goes_away(stack, body: dict, request_id: str) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", stack.coordinator.http.port, timeout=CALL_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                           {"Content-Type": "application/json", "X-Request-Id": request_id})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+    finally:
+        connection.close()
+
+
+def test_http_requests_are_counted_and_logged_as_grpc_ones_are(tiny_pair, caplog):
+    caplog.set_level(logging.INFO, logger="coordinator.request_log")
+    with running_stack(*tiny_pair, coordinator_overrides={"metrics_port": 0, "http_port": 0}) as stack:
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        status, finished = _http(stack, body, "h-length")
+        assert status == 200
+        status, _ = _http(stack, {**body, "temperature": -1}, "h-invalid")
+        assert status == 400
+        _http_client_goes_away(stack, {**body, "max_tokens": 400}, "h-gone")
+
+        def count(name, **labels):
+            return scrape(stack.coordinator.metrics.port).get((name, tuple(sorted(labels.items()))), 0)
+
+        assert wait_for(lambda: count("specd_request_failure_total", code="CANCELLED") == 1, 10.0)
+        metrics = scrape(stack.coordinator.metrics.port)
+        failures = {dict(labels)["code"]: v for (name, labels), v in metrics.items() if name == "specd_request_failure_total"}
+        assert failures == {"INVALID_ARGUMENT": 1, "CANCELLED": 1}
+        assert count("specd_request_success_total", finished_reason="length") == 1
+        assert metrics[("specd_prompt_tokens_total", ())] == finished["usage"]["prompt_tokens"]
+        assert metrics[("specd_generation_tokens_total", ())] == finished["usage"]["completion_tokens"] == 12
+    lines = _log_lines(caplog)
+    assert {request_id: fields["status"] for request_id, fields in lines.items()} == {
+        "h-length": "length", "h-invalid": "INVALID_ARGUMENT", "h-gone": "CANCELLED",
+    }
+    assert lines["h-length"]["trace_id"] == finished["specd"]["trace_id"]
