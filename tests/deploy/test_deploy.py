@@ -288,7 +288,10 @@ def test_ports_and_probes_agree_with_each_roles_settings(docs):
     for name, template, container in specd_containers(docs):
         role, config = role_of(container), config_of(docs, container)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": config.port, "metrics": config.metrics_port}, f"{name}: ports {ports}"
+        wanted = {"grpc": config.port, "metrics": config.metrics_port}
+        if role == "coordinator":
+            wanted["http"] = config.http_port  # the OpenAI-compatible HTTP API
+        assert ports == wanted, f"{name}: ports {ports}"
         annotations = template["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/scrape") == "true", f"{name}: not scraped"
         assert annotations.get("prometheus.io/port") == str(config.metrics_port), f"{name}: scrape port"
