@@ -75,6 +75,10 @@ class CoordinatorConfig:
         64, "rounds traced one span each; later rounds fold into one summary span per this many rounds"
     )
     worker_timeout_s: float = setting(30.0, "deadline of each call to a worker")
+    session_wait_s: float = setting(
+        60.0, "most time a request waits for a session the target has no room for (its session cap or KV budget) "
+        "before it fails RESOURCE_EXHAUSTED; the request's own deadline ends the wait sooner",
+    )
     worker_call_tokens: int = setting(
         1024, "most committed tokens one worker call carries; a longer prompt goes ahead as Prefill calls of this many (0: no limit)"
     )
@@ -132,6 +136,8 @@ class CoordinatorConfig:
             raise ConfigError("--http-port must be >= 0 (0: a free one) or -1 (no HTTP API)")
         if self.shutdown_grace_s < 0:
             raise ConfigError("--shutdown-grace-s must be >= 0")
+        if self.session_wait_s < 0:
+            raise ConfigError("--session-wait-s must be >= 0")
         if self.worker_call_tokens < 0:
             raise ConfigError("--worker-call-tokens must be >= 0 (0: no limit)")
         check_server_settings(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

@@ -85,13 +85,14 @@ class Generator:
         `place`, its admission, is released once its worker sessions are ended. `record`, the
         front's, is filled in as the request runs; a finished request is logged and counted
         here, one that fails is left to the front (which tells its caller how it ended)."""
+        record = record if record is not None else RequestRecord()
         text = TextAssembler(facts.tokenizer, request.prompt_ids, request.stop_strings)
-        output = RequestOutput(text, prompt_len=len(request.prompt_ids))
+        # Latencies count from the call's arrival (the record's start), queueing and tokenising included.
+        output = RequestOutput(text, prompt_len=len(request.prompt_ids), started=record.started)
         span = trace.get_current_span()  # llm_request
         record_request(span, request)
         state = self._state(request, facts, profile)
         stats = RequestStats(requested_mode=state.mode, seed=request.sampling.seed)
-        record = record if record is not None else RequestRecord()
         record.request_id, record.prompt_tokens = request.request_id, output.prompt_len
         record.trace_id = record.trace_id or trace_id_hex(span)
         stats.queue_ms = place.queue_ms if place is not None else 0.0

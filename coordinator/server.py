@@ -102,7 +102,8 @@ def worker_links(config: CoordinatorConfig, client_interceptors: list) -> tuple[
         config.worker_tls_ca_file, config.worker_tls_cert_file, config.worker_tls_key_file, prefix="--worker-tls"
     )
     target = TargetLink(
-        config.target_address, config.worker_timeout_s, client_interceptors, worker_credentials, config.worker_call_tokens
+        config.target_address, config.worker_timeout_s, client_interceptors, worker_credentials, config.worker_call_tokens,
+        config.session_wait_s,
     )
     if not config.draft_address:
         return target, None
@@ -150,11 +151,11 @@ async def start_coordinator(
         service.closers.append(draft.stop_probe)  # a draft that is down is probed until the service stops
     service.tracer_provider = provider
     service.closers.append(servicer.close)
-    servicer.metrics.serve_for(service, config.host, config.metrics_port)
-    await health_state.set(NOT_SERVING)
-    if config.http_port >= 0:
+    if config.http_port >= 0:  # first: a port that is taken leaves no other server of this service behind
         service.http = await start_http(servicer, config, token, health_state.gate)
         service.closers.insert(0, service.http.stop)  # before the servicer's threads stop: its requests end first
+    servicer.metrics.serve_for(service, config.host, config.metrics_port)
+    await health_state.set(NOT_SERVING)
     await server.start()
 
     async def become_ready() -> None:

@@ -28,6 +28,7 @@ from typing import AsyncIterator
 import grpc
 
 from coordinator.workers import WorkerSession
+from specd.core.errors import NO_SESSION_ROOM
 
 FIRST_WAIT_S = 0.01
 LONGEST_WAIT_S = 0.25
@@ -35,12 +36,12 @@ FULL_FOR_S = 2.0
 
 
 def out_of_sessions(exc: grpc.aio.AioRpcError, session: WorkerSession) -> bool:
-    """The worker refused to open `session` because it holds its maximum of sessions. gRPC's own
+    """The worker refused to open `session` for want of room (its session cap or KV budget). gRPC's own
     RESOURCE_EXHAUSTED (a message past its size limit) is not that, nor a refusal of a session the
     worker had already opened (it lost it and is full now: the request fails as it would have)."""
     if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or session.opened or session.ended:
         return False
-    return "larger than max" not in (exc.details() or "")
+    return (exc.details() or "").startswith(NO_SESSION_ROOM)
 
 
 class SessionWait:

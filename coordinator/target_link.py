@@ -47,9 +47,12 @@ class TargetLink:
         interceptors: list | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         call_tokens: int = 0,
+        session_wait_s: float = 60.0,
     ):
         """`call_tokens`: the most committed tokens one call sends; a longer tail goes ahead as
-        Prefill calls of that many (workers.CatchUp). 0: any number."""
+        Prefill calls of that many (workers.CatchUp). 0: any number. `session_wait_s`: the most a
+        request waits for a session the target has no room for, before it fails RESOURCE_EXHAUSTED."""
+        self.session_wait_s = session_wait_s
         self.address = address
         self.timeout_s = timeout_s
         self._channel = worker_channel(address, interceptors, credentials)
@@ -99,17 +102,19 @@ class TargetLink:
 
     async def _once_a_session_frees(self, session: WorkerSession, committed: list[int], call, deadline: float):
         """The refused call, sent again in this request's turn after each wait (coordinator/session_wait.py);
-        its deadline moves on by the time it waited."""
+        its deadline moves on by the time it waited, for at most session_wait_s in all: then the
+        target's refusal is the request's."""
+        give_up = time.monotonic() + self.session_wait_s
         async with self.session_wait.turn():
             wait_s = FIRST_WAIT_S
             while True:
                 started = time.monotonic()
-                await self.session_wait.wait(wait_s)
+                await self.session_wait.wait(min(wait_s, max(give_up - started, 0.0)))
                 deadline += time.monotonic() - started
                 try:
                     return await synced_call(session, committed, call, deadline, self._catch_up)
                 except grpc.aio.AioRpcError as exc:
-                    if not out_of_sessions(exc, session):
+                    if not out_of_sessions(exc, session) or time.monotonic() >= give_up:
                         raise self._error(exc) from None
                 wait_s = min(2 * wait_s, LONGEST_WAIT_S)
 

@@ -61,6 +61,14 @@ def _record_error(span: trace.Span, error: ApiError) -> None:
         span.set_status(Status(StatusCode.ERROR, error.message))
 
 
+async def _prepended(first, events):
+    """`first` (if not None), then the rest of `events`."""
+    if first is not None:
+        yield first
+    async for event in events:
+        yield event
+
+
 class OpenAiApi:
     """The routes, over one coordinator's servicer."""
 
@@ -104,12 +112,13 @@ class OpenAiApi:
         """One request under its llm_request span; a failure is told in OpenAI's error shape (as an
         event once a stream has begun). A client that goes away cancels this task, which ends the
         request and its worker sessions as a cancelled gRPC call does."""
-        with llm_request(self.servicer.tracer, http_caller(request)) as span:
+        if self.gate is not None and self.gate.closed:  # refused before the service, as the gRPC port's gate refuses
+            return ApiError(grpc.StatusCode.UNAVAILABLE, self.gate.refusal).response()
+        with self._counted(), llm_request(self.servicer.tracer, http_caller(request)) as span:
             exchange = _Exchange()
             record = RequestRecord(request_id=caller_request_id(request.headers.get("X-Request-Id", "")), trace_id=trace_id_hex(span))
             try:
-                with self._counted():
-                    return await self._answer(request, kind, record, exchange)
+                return await self._answer(request, kind, record, exchange)
             except (ConnectionError, asyncio.CancelledError) as exc:  # the client went away
                 record.failed(self.servicer.metrics, grpc.StatusCode.CANCELLED.name)
                 span.set_status(Status(StatusCode.ERROR, "the client went away"))
@@ -129,13 +138,10 @@ class OpenAiApi:
 
     @contextlib.contextmanager
     def _counted(self):
-        """The request among the coordinator's running calls, which a stop lets finish; refused
-        (503) once the stop has begun."""
+        """The request among the coordinator's running calls, which a stop lets finish."""
         if self.gate is None:
             yield
             return
-        if self.gate.closed:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, self.gate.refusal)
         self.gate.started()
         try:
             yield
@@ -148,10 +154,13 @@ class OpenAiApi:
         message = api_request.generate
         message.request_id = request.headers.get("X-Request-Id", "")
         async with self.servicer.admitted(message, None, record) as (resolved, events):
-            completion = Completion(kind, model, resolved.request_id, record.trace_id)
+            completion = Completion(kind, model, resolved.request_id, record.trace_id, api_request.include_usage)
             if api_request.stream:
+                # The 200 goes once the first round has answered: a failure before it (a target
+                # that is down) keeps its own HTTP status instead of arriving as an event.
+                first_event = await anext(events, None)
                 exchange.stream = await open_stream(request)
-                await self._stream(exchange.stream, completion, events, api_request)
+                await self._stream(exchange.stream, completion, _prepended(first_event, events), api_request)
                 return exchange.stream
             async for event in events:
                 if isinstance(event, Finish):

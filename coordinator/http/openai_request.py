@@ -33,6 +33,23 @@ _UNSUPPORTED = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
+    # vLLM's sampling and output extras: accepted at their "off" value only.
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "prompt_logprobs": (None, 0),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "parallel_tool_calls": (None, False),
 }
 
 

@@ -22,7 +22,9 @@ class Completion:
     model: str
     request_id: str
     trace_id: str
+    include_usage: bool = False  # stream_options.include_usage: every chunk says "usage": null, the last its usage
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    streamed_chars: int = 0  # text streamed so far: where the next chunk's text_offsets start
 
     @property
     def id(self) -> str:
@@ -52,7 +54,9 @@ class Completion:
     def chunk(self, chunk: Chunk, token_texts: list[str] | None) -> dict:
         """The text (and tokens) one round made final."""
         text = {"delta": {"content": chunk.text}} if self.kind == CHAT else {"text": chunk.text}
-        return self._chunk({**text, "logprobs": self._logprobs(chunk.logprobs, token_texts)})
+        logprobs = self._logprobs(chunk.logprobs, token_texts, self.streamed_chars)
+        self.streamed_chars += len(chunk.text)
+        return self._chunk({**text, "logprobs": logprobs})
 
     def last_chunk(self, finish: Finish) -> dict:
         """How the request ended, with specd's stats (and no text: every chunk before has it)."""
@@ -70,10 +74,12 @@ class Completion:
         return "chat.completion.chunk" if self.kind == CHAT else "text_completion"
 
     def _chunk(self, fields: dict) -> dict:
-        return self._object(self._chunk_object, [{"index": 0, "logprobs": None, "finish_reason": None, **fields}])
+        usage_field = {"usage": None} if self.include_usage else {}
+        return self._object(self._chunk_object, [{"index": 0, "logprobs": None, "finish_reason": None, **fields}], **usage_field)
 
-    def _logprobs(self, logprobs: list[float], token_texts: list[str] | None) -> dict | None:
-        """The chosen tokens' logprobs (None when the request did not ask for them)."""
+    def _logprobs(self, logprobs: list[float], token_texts: list[str] | None, first_offset: int = 0) -> dict | None:
+        """The chosen tokens' logprobs (None when the request did not ask for them); a completion's
+        text offsets count from `first_offset`, the characters of the answer before these tokens."""
         if token_texts is None:
             return None
         if self.kind == CHAT:
@@ -81,7 +87,7 @@ class Completion:
                 {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass")), "top_logprobs": []}
                 for text, logprob in zip(token_texts, logprobs)
             ]}
-        offsets, offset = [], 0
+        offsets, offset = [], first_offset
         for text in token_texts:
             offsets.append(offset)
             offset += len(text)

@@ -26,6 +26,8 @@ OPEN_PATHS = ("/health",)  # a load balancer's probe holds no token
 _BODY_BYTES_PER_PROMPT_BYTE = 6
 _BODY_OVERHEAD_BYTES = 1 << 20
 
+STOP_GRACE_S = 1.0  # as RunningService.stop gives the gRPC server, once the drain is over
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -35,7 +37,9 @@ def _auth_middleware(token: str | None):
         if token is None or request.path in OPEN_PATHS:
             return await handler(request)
         if not bearer_token_matches(request.headers.getall("Authorization", []), token.encode()):
-            return ApiError(grpc.StatusCode.UNAUTHENTICATED, DENIED).response()
+            denied = ApiError(grpc.StatusCode.UNAUTHENTICATED, DENIED).response()
+            denied.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: the scheme a 401 asks for
+            return denied
         return await handler(request)
 
     return authorize
@@ -58,8 +62,9 @@ def _error_body(message: str, kind: str) -> dict:
 
 
 class HttpServer:
-    """A started HTTP server; stop() refuses new connections and gives running requests the
-    coordinator's --shutdown-grace-s to finish."""
+    """A started HTTP server; stop() closes it, giving requests still running STOP_GRACE_S: the
+    coordinator's drain (specd/serving/server.py drain) has already given them --shutdown-grace-s,
+    counted with the gRPC calls, so a stop takes that grace once, not twice."""
 
     def __init__(self, runner: web.AppRunner, port: int):
         self.runner = runner
@@ -78,7 +83,7 @@ async def start_http(
     app = web.Application(middlewares=[_json_not_found, _auth_middleware(token)], client_max_size=api.max_body_bytes)
     app.add_routes(api.routes())
     # handler_cancellation: a client that disconnects cancels its request, as a cancelled gRPC call does.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_S)
     await runner.setup()
     ssl_context = server_ssl_context(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
     site = web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context)

@@ -193,6 +193,13 @@ class Placement:
 
     cpus: dict[str, frozenset[int]]  # service -> CPUs; {} for no pinning
     draft_device: str
+    shared_gpu: bool = False  # the draft runs on the target's GPU: each worker keeps to its share of its memory
+
+    def memory_flags(self) -> dict[str, list[str]]:
+        """Each worker's --gpu-memory-fraction when the two share a GPU (the draft's model and KV are small)."""
+        if not self.shared_gpu:
+            return {}
+        return {"target": ["--gpu-memory-fraction", "0.7"], "draft": ["--gpu-memory-fraction", "0.2"]}
 
     def say(self) -> list[str]:
         lines = []
@@ -215,7 +222,7 @@ def placement(args: argparse.Namespace) -> Placement:
         return Placement({name: chosen for name, chosen in cpus.items() if name != "draft" or args.draft}, args.device)
     ranks = args.target_tensor_parallel
     spare = args.device in ("auto", "cuda") and gpus > ranks
-    return Placement({}, f"cuda:{ranks}" if spare else args.device)
+    return Placement({}, f"cuda:{ranks}" if spare else args.device, shared_gpu=bool(args.draft) and not spare)
 
 
 def build_services(args: argparse.Namespace, ports: dict[str, int], log_dir: pathlib.Path) -> list[Service]:
@@ -235,7 +242,7 @@ def build_services(args: argparse.Namespace, ports: dict[str, int], log_dir: pat
     if args.draft:
         argv["draft"] = ["draft", "--model", args.draft, "--port", str(ports["draft"]), *worker_flags,
                          "--device", placed.draft_device, "--metrics-port", metrics["draft"]]
-    for name, flags in cpus_flags(placed.cpus).items():
+    for name, flags in [*cpus_flags(placed.cpus).items(), *placed.memory_flags().items()]:
         if name in argv:
             argv[name] += flags
     return [

@@ -18,7 +18,15 @@ class SessionStale(RuntimeError):
 
 
 class TooManySessions(RuntimeError):
-    """The worker is at its session limit."""
+    """The worker has no room for another session (its count cap, or its KV budget). Its message
+    starts with NO_SESSION_ROOM, which a coordinator tells apart from other RESOURCE_EXHAUSTED
+    statuses by: it waits for room instead of failing the request."""
+
+    def __init__(self, message: str):
+        super().__init__(NO_SESSION_ROOM + message)
+
+
+NO_SESSION_ROOM = "no room for a session: "
 
 
 def no_stop_iteration(fn: Callable, *args):

@@ -13,11 +13,9 @@ import torch
 
 from specd.core.errors import TooManySessions
 
-# Share of the device memory free once the model is loaded and warm that sessions' KV may take
-# by default on a GPU; the rest is left to activations (a verify's logits over the vocabulary,
-# a packed batch's attention) and to torch's allocator.
-AUTO_FREE_FRACTION = 0.8
 _MIB = 1 << 20
+# Of the device memory free now, the most a budget takes: other processes' memory is not ours.
+_FREE_SHARE = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +56,17 @@ def kv_bytes_per_token(model: torch.nn.Module, shards: int = 1) -> int:
     return 2 * config.num_hidden_layers * local_kv_heads * head_dim * element
 
 
-def budget_bytes(setting: int, device: torch.device | str) -> int:
-    """The budget --kv-cache-bytes asks for: N bytes, 0 for none, or -1 for the device's default
-    (on a GPU AUTO_FREE_FRACTION of its free memory now; on a CPU none: sessions are capped by count)."""
+def budget_bytes(setting: int, device: torch.device | str, memory_fraction: float = 0.9) -> int:
+    """The budget --kv-cache-bytes asks for: N bytes, 0 for none, or -1 for the device's default.
+    On a GPU that is `memory_fraction` of its memory less what this process took to load and warm
+    up its model (its weights and the activations' peak), within what is free now: a share of the
+    whole device, so that two workers on one GPU, loading in either order, each keep to their own.
+    On a CPU none: sessions are capped by count."""
     if setting >= 0:
         return setting
     device = torch.device(device)
     if device.type != "cuda":
         return 0
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free * AUTO_FREE_FRACTION)
+    free, total = torch.cuda.mem_get_info(device)
+    taken = torch.cuda.max_memory_reserved(device)  # this process's own: weights, warm-up's activations
+    return max(0, min(int(total * memory_fraction) - taken, int(free * _FREE_SHARE)))

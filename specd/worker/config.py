@@ -43,8 +43,14 @@ class WorkerConfig:
     kv_cache_bytes: int = setting(
         -1,
         "KV cache budget in bytes: a session is opened only when the room it reserves (its request's most tokens) "
-        "fits beside the others', else RESOURCE_EXHAUSTED (-1: on a GPU 80% of the memory free once the model is "
-        "loaded, on a CPU no limit; 0: no limit)",
+        "fits beside the others', else RESOURCE_EXHAUSTED (-1: on a GPU, --gpu-memory-fraction of its memory less "
+        "what loading and warm-up took; on a CPU no limit; 0: no limit)",
+    )
+    gpu_memory_fraction: float = setting(
+        0.9,
+        "on a GPU, the share of its memory this worker may take, weights, activations and KV cache together (two "
+        "workers on one GPU: shares that add up to at most 1; specd up gives 0.7 and 0.2 when the draft shares the "
+        "target's GPU)",
     )
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
     retired_session_memory_s: float = setting(
@@ -64,6 +70,8 @@ class WorkerConfig:
         check_cpus(self.cpus)
         if self.max_sessions < 1:
             raise ConfigError("--max-sessions must be >= 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError("--gpu-memory-fraction must lie in (0, 1]")
         if self.kv_cache_bytes < -1:
             raise ConfigError("--kv-cache-bytes must be -1 (the device's default), 0 (no limit) or a number of bytes")
         if self.max_batch_size < 1:

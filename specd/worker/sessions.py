@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from specd.core.config import ConfigError
 from specd.engine.kv_budget import KVBudget, budget_bytes, kv_bytes_per_token
 from specd.engine.loading import LoadedModel
 from specd.engine.session_cache import SessionStore
 from specd.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+MIN_CONTEXT_TOKENS = 64  # a budget that holds fewer serves no useful request: refused at start
 
 
 def session_store(config: WorkerConfig, loaded: LoadedModel, shards: int = 1, admits: bool = True) -> tuple[SessionStore, LoadedModel]:
@@ -19,9 +22,14 @@ def session_store(config: WorkerConfig, loaded: LoadedModel, shards: int = 1, ad
     is what it holds (as its Info then says), so that every session fits once others have ended.
     `admits`: False for a tensor-parallel follower, which opens the sessions rank 0 admitted."""
     per_token = kv_bytes_per_token(loaded.model, shards)
-    limit = budget_bytes(config.kv_cache_bytes, loaded.model.device) if admits else 0
+    limit = budget_bytes(config.kv_cache_bytes, loaded.model.device, config.gpu_memory_fraction) if admits else 0
     if limit:
         budget_tokens = limit // per_token
+        if budget_tokens < MIN_CONTEXT_TOKENS:
+            raise ConfigError(
+                f"--kv-cache-bytes: a budget of {limit} bytes holds {budget_tokens} tokens at {per_token} bytes a token; "
+                f"a worker needs room for at least {MIN_CONTEXT_TOKENS} ({MIN_CONTEXT_TOKENS * per_token} bytes)"
+            )
         log.info("KV cache budget %.0f MiB at %d bytes a token: %d tokens", limit / (1 << 20), per_token, budget_tokens)
         if budget_tokens < loaded.context_length:
             log.warning(

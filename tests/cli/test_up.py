@@ -264,9 +264,14 @@ def test_a_gpu_host_pins_no_cpus_and_gives_the_draft_a_gpu_of_its_own(monkeypatc
     assert services["target"][services["target"].index("--device") + 1] == "auto"
     assert services["draft"][services["draft"].index("--device") + 1] == "cuda:1"
     assert up.placement(_args()).say() == ["the draft runs on a GPU of its own: cuda:1"]
-    # One GPU: the draft shares it; a tensor-parallel target on both: the draft shares them too.
+    assert "--gpu-memory-fraction" not in services["target"] + services["draft"]  # each has a GPU to itself
+    # One GPU: the draft shares it, each worker keeping to its share of its memory; a
+    # tensor-parallel target on both: the draft shares them too.
     monkeypatch.setattr(up, "visible_gpus", lambda: 1)
     assert up.placement(_args()).draft_device == "auto"
+    shared = {s.name: s.argv for s in up.build_services(_args(), ports, tmp_path)}
+    shares = [float(shared[name][shared[name].index("--gpu-memory-fraction") + 1]) for name in ("target", "draft")]
+    assert shares[0] > shares[1] and sum(shares) <= 1.0
     monkeypatch.setattr(up, "visible_gpus", lambda: 2)
     assert up.placement(_args(target_tensor_parallel="2")).draft_device == "auto"
 

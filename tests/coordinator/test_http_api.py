@@ -306,3 +306,43 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(served):
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert (error["code"], error["type"]) == ("UNAVAILABLE", "service_unavailable_error") and error["message"]
+
+
+def test_a_stream_whose_first_round_fails_keeps_its_http_status(served):
+    """The 200 of a stream waits for its first round: a target that is down is a 503 in OpenAI's
+    error shape, as for a request that does not stream."""
+    stack, _ = served
+    body = {"prompt": "def add(a, b):", "max_tokens": 8, "stream": True, "speculation_mode": "sd"}
+    stack.stop_target()
+    try:
+        call = urllib.request.Request(stack.http_url + "/v1/completions", json.dumps(body).encode(),
+                                      {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(call, timeout=CALL_TIMEOUT_S)
+        error = json.loads(refused.value.read())["error"]
+    finally:
+        stack.restart_target()
+    assert refused.value.code == 503 and error["code"] == "UNAVAILABLE"
+
+
+def test_a_streamed_completion_counts_its_text_offsets_from_the_start_and_says_usage_null(served):
+    stack, _ = served
+    body = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "logprobs": 0, "speculation_mode": "sd", "stream_options": {"include_usage": True}}
+    answer = _post(stack, "/v1/completions", body)
+    events = [json.loads(e.removeprefix("data: ")) for e in answer.text.split("\n\n") if e and e != "data: [DONE]"]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 12
+    text = ""
+    for event in events[:-1]:
+        choice = event["choices"][0]
+        if choice["logprobs"] is not None and choice["logprobs"]["tokens"]:
+            assert choice["logprobs"]["text_offset"][0] == len(text)
+        text += choice["text"]
+    assert sum(1 for e in events[:-1] if e["choices"][0]["logprobs"] and e["choices"][0]["logprobs"]["tokens"]) > 1
+
+
+def test_a_401_names_the_bearer_scheme(served):
+    stack, _ = served
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(stack.http_url + "/v1/models", timeout=CALL_TIMEOUT_S)
+    assert denied.value.code == 401 and denied.value.headers["WWW-Authenticate"] == "Bearer"

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from coordinator.target_link import TargetLink
 from coordinator.workers import WorkerSession
+from specd.core.errors import NO_SESSION_ROOM
+from specd.serving.status import StatusError
 from tests.conftest import running_stack
 from tests.stack import wait_for
 
@@ -81,3 +84,22 @@ async def until(condition, what: str) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"not within {SETTLE_S:.0f} s: {what}")
+
+
+def test_a_request_waits_for_room_no_longer_than_its_bound(one_session_target):
+    """With the target full and nobody ending a session, the refused call waits session_wait_s,
+    then fails with the target's refusal."""
+    one_session_target.run(_waits_then_fails(one_session_target))
+
+
+async def _waits_then_fails(stack) -> None:
+    link = TargetLink(f"127.0.0.1:{stack.target.port}", timeout_s=10.0, session_wait_s=0.3)
+    holder, refused = WorkerSession("session-wait-holder"), WorkerSession("session-wait-refused")
+    try:
+        await link.prefill(holder, PROMPT)
+        with pytest.raises(StatusError) as failed:
+            await link.prefill(refused, PROMPT)
+        assert failed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and NO_SESSION_ROOM in str(failed.value)
+    finally:
+        await link.end_session(holder.session_id)
+        await link.close()

@@ -4,16 +4,23 @@ their reservations fit its KV budget in bytes and refuses the rest with TooManyS
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
 
+from specd.core.config import ConfigError
 from specd.core.errors import TooManySessions
+from specd.core.sampling import SamplingSettings
 from specd.engine.forward import forward_logits
 from specd.engine.kv_budget import KVBudget, budget_bytes, kv_bytes_per_token
 from specd.engine.kv_cache import GrowingKVCache
+from specd.engine.loading import LoadedModel
 from specd.engine.session_cache import SessionStore
 from specd.observability.metrics import WorkerMetrics
+from specd.worker.config import WorkerConfig
+from specd.worker.sessions import session_store
 from tests.tiny_models import build_llama
 
 VOCAB = 64
@@ -106,3 +113,12 @@ def test_the_worker_metrics_follow_the_store(model):
     assert value("specd_active_sessions") == 1
     assert value("specd_kv_cache_bytes") == 64 * per_token
     assert value("specd_kv_cache_budget_bytes") == 1000 * per_token
+
+
+def test_a_worker_refuses_to_start_on_a_budget_that_holds_almost_nothing(model):
+    loaded = LoadedModel("m", model, None, VOCAB, 2048, (), SamplingSettings(), "", "float32", "cpu")
+    config = WorkerConfig(model="m", kv_cache_bytes=10 * kv_bytes_per_token(model))
+    with pytest.raises(ConfigError, match="holds 10 tokens"):
+        session_store(config, loaded)
+    store, served = session_store(dataclasses.replace(config, kv_cache_bytes=300 * kv_bytes_per_token(model)), loaded)
+    assert served.context_length == 300 and store.kv_budget.max_tokens == 300
