@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.speculation_cache import SpeculationCache
 from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, synced_call, worker_channel
+from specd.core.errors import NO_SESSION_ROOM
 from specd.core.sampling import SamplingSettings
 from specd.v1 import draft_pb2, draft_pb2_grpc
 from specd.wire.convert import sampling_to_proto
@@ -25,6 +26,11 @@ log = logging.getLogger(__name__)
 
 class DraftFailed(RuntimeError):
     """A draft call failed: the round goes on target-only."""
+
+
+def _no_session_room(exc: grpc.aio.AioRpcError) -> bool:
+    """The draft refused to open a session for want of room: it is up, and serves other sessions."""
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (exc.details() or "").startswith(NO_SESSION_ROOM)
 
 
 class DraftLink:
@@ -153,8 +159,12 @@ class DraftLink:
         try:
             return await make_call()
         except grpc.aio.AioRpcError as exc:
-            self.mark_down(f"draft worker at {self.address}: {exc.code().name}: {exc.details()}")
-            raise DraftFailed(self.last_error) from None
+            reason = f"draft worker at {self.address}: {exc.code().name}: {exc.details()}"
+            if not _no_session_room(exc):
+                self.mark_down(reason)
+            # A draft with no room for this request's session (its cap, shared with other
+            # coordinators) serves the others: this request's round alone goes target-only.
+            raise DraftFailed(reason) from None
 
     async def _prefill_call(self, session_id: str, tail, timeout_s: float) -> draft_pb2.DraftPrefillResponse:
         request = draft_pb2.DraftPrefillRequest(session_id=session_id, committed=tail)

@@ -137,6 +137,7 @@ async def start_coordinator(
     target, draft = worker_links(config, client_interceptors)
     servicer = CoordinatorServicer(config, target, draft, get_tracer(provider), CoordinatorMetrics())
     servicer.metrics.track_admission(servicer.admission)
+    servicer.metrics.track_session_wait(target.session_wait)
     server, port, health_state = create_server(
         config.host,
         config.port,

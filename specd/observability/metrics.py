@@ -160,6 +160,11 @@ class CoordinatorMetrics(ServiceMetrics):
         self.requests_waiting = Gauge(
             "specd_requests_waiting", "requests queued for a place (--max-queued-requests)", registry=r
         )
+        self.requests_waiting_for_session = Gauge(
+            "specd_requests_waiting_for_session",
+            "admitted requests waiting for a session the target has no room for (--session-wait-s)",
+            registry=r,
+        )
         self.request_queue_time = Histogram(
             "specd_request_queue_seconds",
             "time an admitted request waited in the queue for a place (0 when one was free)",
@@ -172,6 +177,10 @@ class CoordinatorMetrics(ServiceMetrics):
         self.requests_running.set_function(lambda: admission.running)
         self.requests_waiting.set_function(lambda: admission.waiting)
         admission.on_admitted = self.request_queue_time.observe
+
+    def track_session_wait(self, session_wait) -> None:
+        """Follow a coordinator.session_wait.SessionWait: the requests waiting for a target session."""
+        self.requests_waiting_for_session.set_function(lambda: session_wait.waiting)
 
     def observe_speculation(self, stats) -> None:
         """Add one request's totals (a coordinator.stats.RequestStats) to the counters."""

@@ -77,6 +77,8 @@ def test_coordinator_requests_reserve_their_most_tokens_and_wait_for_room(stack,
         session_wait = stack.coordinator.servicer.target.session_wait
         _until(lambda: session_wait.waiting == 1, "the request waits for KV room")
         assert not waits.done()
+        metrics = stack.coordinator.servicer.metrics.registry
+        assert metrics.get_sample_value("specd_requests_waiting_for_session") == 1
         _end(target, "holder")
         held = False
         assert len(waits.result().token_ids) == 120
