@@ -211,4 +211,9 @@ class OpenAiApi:
         if not wanted:
             return None
         tokenizer = self.servicer.ready_facts().tokenizer
-        return await asyncio.to_thread(lambda: [tokenizer.decode([i], skip_special_tokens=False) for i in token_ids])
+
+        def texts() -> list[str]:
+            return [tokenizer.decode([i], skip_special_tokens=False) for i in token_ids]
+
+        # On the coordinator's text threads, where the rounds' own text is made.
+        return await asyncio.get_running_loop().run_in_executor(self.servicer.generator.text_pool, texts)
