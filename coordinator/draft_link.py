@@ -14,8 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.speculation_cache import SpeculationCache
-from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, synced_call, worker_channel
-from specd.core.errors import NO_SESSION_ROOM
+from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, no_session_room, synced_call, worker_channel
 from specd.core.sampling import SamplingSettings
 from specd.v1 import draft_pb2, draft_pb2_grpc
 from specd.wire.convert import sampling_to_proto
@@ -26,11 +25,6 @@ log = logging.getLogger(__name__)
 
 class DraftFailed(RuntimeError):
     """A draft call failed: the round goes on target-only."""
-
-
-def _no_session_room(exc: grpc.aio.AioRpcError) -> bool:
-    """The draft refused to open a session for want of room: it is up, and serves other sessions."""
-    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (exc.details() or "").startswith(NO_SESSION_ROOM)
 
 
 class DraftLink:
@@ -160,7 +154,7 @@ class DraftLink:
             return await make_call()
         except grpc.aio.AioRpcError as exc:
             reason = f"draft worker at {self.address}: {exc.code().name}: {exc.details()}"
-            if not _no_session_room(exc):
+            if not no_session_room(exc):
                 self.mark_down(reason)
             # A draft with no room for this request's session (its cap, shared with other
             # coordinators) serves the others: this request's round alone goes target-only.

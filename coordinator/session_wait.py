@@ -27,8 +27,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from coordinator.workers import WorkerSession
-from specd.core.errors import NO_SESSION_ROOM
+from coordinator.workers import WorkerSession, no_session_room
 
 FIRST_WAIT_S = 0.01
 LONGEST_WAIT_S = 0.25
@@ -36,12 +35,10 @@ FULL_FOR_S = 2.0
 
 
 def out_of_sessions(exc: grpc.aio.AioRpcError, session: WorkerSession) -> bool:
-    """The worker refused to open `session` for want of room (its session cap or KV budget). gRPC's own
-    RESOURCE_EXHAUSTED (a message past its size limit) is not that, nor a refusal of a session the
-    worker had already opened (it lost it and is full now: the request fails as it would have)."""
-    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or session.opened or session.ended:
-        return False
-    return (exc.details() or "").startswith(NO_SESSION_ROOM)
+    """The worker refused to open `session` for want of room (workers.no_session_room); not a
+    refusal of a session the worker had already opened (it lost it and is full now: the request
+    fails as it would have)."""
+    return no_session_room(exc) and not session.opened and not session.ended
 
 
 class SessionWait:

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
+from specd.core.errors import NO_SESSION_ROOM
 from specd.observability.telemetry import trace_metadata
 from specd.serving.server import GRPC_OPTIONS
 from specd.v1 import common_pb2
@@ -23,6 +24,13 @@ from specd.v1 import common_pb2
 log = logging.getLogger(__name__)
 
 _RESYNC_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def no_session_room(exc: grpc.aio.AioRpcError) -> bool:
+    """The worker refused to open a session for want of room (its session cap or KV budget): it is
+    up and serves its other sessions. gRPC's own RESOURCE_EXHAUSTED (a message past its size
+    limit) is not that."""
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (exc.details() or "").startswith(NO_SESSION_ROOM)
 
 
 @dataclasses.dataclass

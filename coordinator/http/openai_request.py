@@ -11,14 +11,9 @@ from typing import Any
 
 from coordinator.http.errors import bad_request
 from specd.v1 import common_pb2, coordinator_pb2
+from specd.wire.modes import MODES, mode_value
 
 CHAT, COMPLETION = "chat", "completion"
-SPECULATION_MODES = {
-    "auto": coordinator_pb2.SPECULATION_MODE_AUTO,
-    "ssd": coordinator_pb2.SPECULATION_MODE_SSD,
-    "sd": coordinator_pb2.SPECULATION_MODE_SD,
-    "off": coordinator_pb2.SPECULATION_MODE_OFF,
-}
 INT32_MAX = 2**31 - 1
 # OpenAI fields specd has no counterpart for: refused unless they hold their "off" value, so that
 # a request is never served as if they had been applied.
@@ -170,9 +165,9 @@ def _speculation(body: dict) -> coordinator_pb2.SpeculationParams:
     speculation = coordinator_pb2.SpeculationParams()
     mode = _field(body, "speculation_mode", str)
     if mode is not None:
-        if mode not in SPECULATION_MODES:
-            raise bad_request(f"speculation_mode must be one of {', '.join(SPECULATION_MODES)}", "speculation_mode")
-        speculation.mode = SPECULATION_MODES[mode]
+        if mode not in MODES:
+            raise bad_request(f"speculation_mode must be one of {', '.join(MODES)}", "speculation_mode")
+        speculation.mode = mode_value(mode)
     k = _integer(body, "num_speculative_tokens", 0, INT32_MAX)
     if k is not None:
         speculation.num_speculative_tokens = k

@@ -8,6 +8,7 @@ of running out of device memory part-way through a request.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -31,12 +32,13 @@ class KVBudget:
     def bytes_for(self, tokens: int) -> int:
         return tokens * self.bytes_per_token
 
-    def admit(self, reserve_tokens: int, held_tokens: int) -> None:
+    def admit(self, reserve_tokens: int, held_tokens: Callable[[], int]) -> None:
         """Refuse (TooManySessions: RESOURCE_EXHAUSTED) a session whose reservation does not fit
-        beside the `held_tokens` the open sessions hold or reserve."""
+        beside the tokens the open sessions hold or reserve (`held_tokens()`, counted only when
+        there is a budget to count against)."""
         if not self.budget_bytes:
             return
-        needed, free = self.bytes_for(reserve_tokens), self.budget_bytes - self.bytes_for(held_tokens)
+        needed, free = self.bytes_for(reserve_tokens), self.budget_bytes - self.bytes_for(held_tokens())
         if needed > free:
             raise TooManySessions(
                 f"this worker's KV cache budget of {self.budget_bytes / _MIB:.0f} MiB has {max(free, 0) / _MIB:.0f} MiB free; "

@@ -114,7 +114,7 @@ class SessionStore:
                         f"this worker holds its maximum of {self._max_sessions} sessions; retry later"
                     )
                 reserve_tokens = self.kv_budget.clamp(reserve_tokens)
-                self.kv_budget.admit(reserve_tokens, self._held_tokens())
+                self.kv_budget.admit(reserve_tokens, self._held_tokens)
                 session = Session.reserved(reserve_tokens)
                 self._sessions[session_id] = session
             session.last_used = time.monotonic()
