@@ -5,7 +5,7 @@ own result on the model here before it is used, and is left out where it does no
 
 from __future__ import annotations
 
-from specd.engine.backends import Backend, FastPathOptions
+from specd.engine.backends.base import Backend, FastPathOptions
 
 
 class CpuBackend(Backend):

@@ -4,7 +4,7 @@ own) are CPU-only and stay off."""
 
 from __future__ import annotations
 
-from specd.engine.backends import Backend, FastPathOptions
+from specd.engine.backends.base import Backend, FastPathOptions
 
 
 class CudaBackend(Backend):
