@@ -246,7 +246,9 @@ class _Tree:
     def step(self, step: int, draft: _TreeDraft):
         """One forward of the B branch tokens (a step job's step); each branch samples its next token."""
         positions = self.n + self.offsets + step - 1  # [B]
-        segment = Segment(self.session.cache, self.tokens, len(self.tokens), self.masks.visible_at(step), positions.tolist())
+        segment = Segment(
+            self.session.cache, self.tokens, len(self.tokens), self.masks.visible_at(step), positions.tolist(), self.prefix_len
+        )
         logits, _ = yield from guarded_step(self.session, Step(segment, lambda: self._alone(step, positions)))  # [B, V]
         dists = draft.dists(step, logits, [self._history(b) for b in range(len(self.roots))])
         self.tokens = []

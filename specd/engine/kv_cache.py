@@ -123,4 +123,4 @@ class GrowingKVCache(DynamicCache):
 
 def croppable(cache: DynamicCache) -> bool:
     """Whether every layer can drop its last entries (full attention, no window or recurrent state)."""
-    return all(type(layer) in (DynamicLayer, GrowingLayer) for layer in cache.layers)
+    return all(type(layer) is DynamicLayer or isinstance(layer, GrowingLayer) for layer in cache.layers)

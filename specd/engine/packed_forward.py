@@ -36,7 +36,9 @@ from specd.engine.backends.cpu_kernels.grouped_attention import GROUPED_SDPA, gr
 from specd.engine.backends.cpu_kernels.prepacked_linear import float32_products
 from specd.engine.forward import elapsed_ms
 from specd.engine.kv_cache import GrowingKVCache, croppable
+from specd.engine.kv_pool import KVPool, PooledKVCache
 from specd.engine.llama_layers import decoder_layers, run_layers
+from specd.engine.pool_attention import PooledSegment, PoolMask, pool_mask, pooled_attention
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +55,15 @@ class Segment:
     num_logits: int  # logits wanted after the last `num_logits` tokens
     visible: torch.Tensor | None = None  # [L, cached + L] bool: which entries each token sees; None: causal
     positions: list[int] | None = None  # the tokens' positions; None: cached, cached + 1, ...
+    # With `visible`: in each row, the entries it sees before this column are a run from the first
+    # (a speculation tree's prefix); attention over the KV pool then needs a bitmap of the rest only.
+    runs_before: int = 0
 
 
 class _PackedBatch:
     """Stands in for the cache during one packed forward: each layer's new keys and values go
-    to the segments' own caches; attention then reads each segment's full cache from here."""
+    to the segments' own caches; attention then reads each segment's full cache from here, or,
+    when every segment's cache is in the KV pool, the pool's layer in one call."""
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments
@@ -66,14 +72,29 @@ class _PackedBatch:
         self.masks: list[torch.Tensor | None] = []  # [1, 1, L, cached + L] each, on the model's device (set by Packer)
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current layer's, per segment
         self.base_attention = "sdpa"  # the model's own attention (a key of _BASES), run per segment
+        self.pool: KVPool | None = None  # with pool_mask: attend over the pool (set by Packer)
+        self.pool_mask: PoolMask | None = None
+        self.layer_idx = 0  # the layer whose keys and values were written last
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T, head_dim], packed."""
+        self.layer_idx = layer_idx
+        if self.pool_mask is not None:
+            self._write_to_pool(key_states, value_states, layer_idx)
+            return key_states, value_states
         self.views = [
             segment.cache.update(key_states[:, :, a:b], value_states[:, :, a:b], layer_idx)
             for segment, (a, b) in zip(self.segments, self.bounds)
         ]  # [1, kv_heads, cached + L, head_dim] each
         return key_states, value_states
+
+    def _write_to_pool(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Every segment's new entries with one copy per tensor; each cache counts its own."""
+        index = self.pool_mask.write_index  # [T]
+        self.pool.keys[layer_idx].index_copy_(2, index, key_states)  # into [1, kv_heads, N, head_dim]
+        self.pool.values[layer_idx].index_copy_(2, index, value_states)
+        for segment, (a, b) in zip(self.segments, self.bounds):
+            segment.cache.layers[layer_idx].advance(key_states[:, :, a:b], value_states[:, :, a:b])
 
 
 def _mask(segment: Segment, cached: int, device: torch.device) -> torch.Tensor | None:
@@ -94,6 +115,9 @@ def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     attention functions do.
     """
     batch: _PackedBatch = kwargs[_PACKED]
+    if batch.pool_mask is not None:
+        keys, values = batch.pool.keys[batch.layer_idx], batch.pool.values[batch.layer_idx]  # [1, kv_heads, N, head_dim]
+        return pooled_attention(query, keys, values, batch.pool_mask, scaling), None
     base = _BASES[batch.base_attention]
     outputs = []
     for (a, b), (keys, values), mask in zip(batch.bounds, batch.views, batch.masks):
@@ -110,9 +134,11 @@ AttentionInterface.register(_PACKED, _packed_attention)
 class Packer:
     """Packed forwards for one model (see the module's docstring)."""
 
-    def __init__(self, model, base_attention: str):
+    def __init__(self, model, base_attention: str, pool: KVPool | None = None):
         self.model = model
         self.base_attention = base_attention  # sdpa or eager: what the model's config names
+        self.pool = pool  # the worker's KV pool, if its sessions' caches are in one
+        self.pooled = False  # attend over the pool in one call when every segment's cache is in it (set once probed)
         self._inner = model.model
         self._layers = decoder_layers(model)
 
@@ -129,7 +155,10 @@ class Packer:
     def _forward(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:
         device = self.model.device
         batch = _PackedBatch(segments)
-        batch.masks = [_mask(s, s.cache.get_seq_length(), device) for s in segments]
+        if self.pooled and all(isinstance(s.cache, PooledKVCache) and s.cache.region.pool is self.pool for s in segments):
+            batch.pool, batch.pool_mask = self.pool, pool_mask(_pooled_segments(segments), self.pool.tokens, device)
+        else:
+            batch.masks = [_mask(s, s.cache.get_seq_length(), device) for s in segments]
         batch.base_attention = self.base_attention
         started = time.perf_counter()
         ids = torch.tensor([[t for s in segments for t in s.tokens]], dtype=torch.long, device=device)  # [1, T]
@@ -142,6 +171,16 @@ class Packer:
         return list(logits.split([s.num_logits for s in segments])), elapsed_ms(started, device)
 
 
+def _pooled_segments(segments: list[Segment]) -> list[PooledSegment]:
+    """Each segment's place in the pool, its cache moved first where its range lacks room."""
+    placed = []
+    for s in segments:
+        cached = s.cache.get_seq_length()
+        s.cache.ensure_room(cached + len(s.tokens))
+        placed.append(PooledSegment(s.cache.region.start, cached, len(s.tokens), s.visible, s.runs_before))
+    return placed
+
+
 def _positions(segment: Segment) -> list[int]:
     if segment.positions is not None:
         return list(segment.positions)
@@ -149,26 +188,53 @@ def _positions(segment: Segment) -> list[int]:
     return list(range(cached, cached + len(segment.tokens)))
 
 
-def enable_packing(model) -> Packer | None:
-    """A Packer for `model` when its layout allows packing and the probe agrees; else None."""
+def enable_packing(model, pool: KVPool | None = None) -> Packer | None:
+    """A Packer for `model` when its layout allows packing and the probe agrees; else None. With
+    the worker's KV `pool`, it attends over the pool in one call where a second probe agrees."""
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "rotary_emb", "norm")
     if config is None or inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
         return None
     base = config._attn_implementation
-    if base not in _BASES or not _full_attention_only(config):
+    if base not in _BASES or not full_attention_only(config):
         return None
-    packer = Packer(model, base)
+    packer = Packer(model, base, pool)
     with float32_products(model):  # a draft's bfloat16 copies round 1-8-row products only
-        agrees = _agrees(model, packer)
+        agrees = _agrees(model, packer, GrowingKVCache)
+        if agrees and pool is not None:
+            packer.pooled = _pooled_agrees(model, packer)
     if not agrees:
         log.warning("packed forwards do not fit %s here; its sessions forward one at a time", type(model).__name__)
         return None
     return packer
 
 
-def _full_attention_only(config) -> bool:
+def packing_fast_paths(packer: Packer | None, pool: KVPool | None) -> tuple[str, ...]:
+    """What a worker reports of how its forwards pack and where its caches live."""
+    taken = (("packed_forward", packer is not None), ("kv_pool", pool is not None), ("pooled_attention", packer is not None and packer.pooled))
+    return tuple(name for name, on in taken if on)
+
+
+def _pooled_agrees(model, packer: Packer) -> bool:
+    """The probe again, with the packed sessions' caches in the pool and attention over it."""
+    packer.pooled = True
+    try:
+        agrees = _agrees(model, packer, lambda: PooledKVCache(packer.pool.allocate(1)))
+    except Exception:  # noqa: BLE001 - a kernel this torch or device lacks: attend per session instead
+        log.warning("attention over the KV pool failed its probe", exc_info=True)
+        agrees = False
+    if not agrees:
+        log.warning("attention over the KV pool does not fit %s here; packed forwards attend per session", type(model).__name__)
+    return agrees
+
+
+def _causal(cached: int, length: int, device) -> torch.Tensor:
+    """[length, cached + length] bool: each new token sees the cache and the new tokens up to itself."""
+    return torch.arange(cached + length, device=device)[None, :] <= torch.arange(length, device=device)[:, None] + cached
+
+
+def full_attention_only(config) -> bool:
     """Every layer attends to the whole context, unscaled: what the per-session masks assume
     (a window shorter than the probe's sequences would pass the probe unnoticed)."""
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
@@ -180,19 +246,24 @@ def _full_attention_only(config) -> bool:
 
 
 @torch.inference_mode()
-def _agrees(model, packer: Packer) -> bool:
-    """Three sessions packed (a prefill, a multi-token step, one token) against their lone forwards."""
+def _agrees(model, packer: Packer, new_cache) -> bool:
+    """Three sessions packed (a prefill, a multi-token step, one token; the last with its causal
+    mask given, as a tree's step gives its own) against their lone forwards. `new_cache()`: a
+    packed session's cache."""
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (5, 9, 3)]
     steps = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (3, 1, 4)]
-    lone, packed = [GrowingKVCache() for _ in prompts], [GrowingKVCache() for _ in prompts]
+    lone, packed = [GrowingKVCache() for _ in prompts], [new_cache() for _ in prompts]
     for feeds in (prompts, steps):
         want = [
             model(input_ids=torch.tensor([f], device=model.device), past_key_values=c, use_cache=True).logits[0].float().cpu()
             for f, c in zip(feeds, lone)
         ]  # [n, V] each
-        got, _ = packer.forward([Segment(c, f, len(f)) for f, c in zip(feeds, packed)])
+        segments = [Segment(c, f, len(f)) for f, c in zip(feeds[:2], packed)]
+        cached = packed[2].get_seq_length()
+        segments.append(Segment(packed[2], feeds[2], len(feeds[2]), visible=_causal(cached, len(feeds[2]), model.device)))
+        got, _ = packer.forward(segments)
         got = [g.cpu() for g in got]  # [n, V] each
         if not all(croppable(c) for c in packed):
             return False

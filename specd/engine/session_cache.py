@@ -6,13 +6,15 @@ longest common prefix (rolling back rejected draft tokens instead of recomputing
 the prefix) and reports what still has to be fed to the model.
 
 A session is opened with room reserved for the most tokens its request can reach; the store
-admits it only while the reservations fit the worker's KV budget in bytes (KVBudget), beside
-its cap on the count of sessions.
+admits it only while the reservations fit the worker's KV budget in bytes (KVBudget), or, when
+the worker keeps its caches in a KV pool (specd/engine/kv_pool.py), while the pool has a free
+range that large; beside its cap on the count of sessions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
 
@@ -21,6 +23,7 @@ from transformers import DynamicCache
 from specd.core.errors import SessionNotFound, SessionStale, TooManySessions
 from specd.engine.kv_budget import KVBudget
 from specd.engine.kv_cache import GrowingKVCache, croppable
+from specd.engine.kv_pool import KVPool, KVRegion, PooledKVCache
 
 
 @dataclasses.dataclass
@@ -31,12 +34,21 @@ class Session:
     reserve_tokens: int = 0  # the room its caches are made with (0: grown as written)
 
     @classmethod
-    def reserved(cls, reserve_tokens: int) -> "Session":
-        return cls(cache=GrowingKVCache(reserve_tokens), reserve_tokens=reserve_tokens)
+    def reserved(cls, reserve_tokens: int, region: KVRegion | None = None) -> "Session":
+        """A session with room for `reserve_tokens`: in `region` of the worker's KV pool, if it has one."""
+        cache = PooledKVCache(region) if region is not None else GrowingKVCache(reserve_tokens)
+        return cls(cache=cache, reserve_tokens=reserve_tokens)
+
+    def new_cache(self) -> DynamicCache:
+        """An empty cache with the session's room: in its cache's pool range (where a cache that
+        outgrew its first range moved), or a growing one of its own."""
+        if isinstance(self.cache, PooledKVCache):
+            return PooledKVCache(self.cache.region)
+        return GrowingKVCache(self.reserve_tokens)
 
     def held_tokens(self) -> int:
         """Tokens of KV room the session holds or has reserved, whichever is more."""
-        held = self.cache.capacity_tokens() if isinstance(self.cache, GrowingKVCache) else self.cache.get_seq_length()
+        held = self.cache.capacity_tokens() if isinstance(self.cache, GrowingKVCache | PooledKVCache) else self.cache.get_seq_length()
         return max(self.reserve_tokens, held)
 
     def sync(self, start: int, tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -66,18 +78,28 @@ class Session:
             self.cache.crop(-drop)  # transformers 5.x: a negative count of tokens to drop
         else:
             # Sliding-window or linear-attention layers cannot roll back: recompute.
-            self.cache = GrowingKVCache(self.reserve_tokens)
+            self.cache = self.new_cache()
             keep = 0
         del self.cached_tokens[keep:]
 
     def reset(self) -> None:
         """Forget everything cached (a forward failed part-way: no layer's entries can be trusted)."""
-        self.cache = GrowingKVCache(self.reserve_tokens)
+        self.cache = self.new_cache()
         self.cached_tokens = []
 
     def extend(self, tokens: list[int]) -> None:
         """Record that a forward put `tokens` into the cache."""
         self.cached_tokens.extend(tokens)
+
+
+def _allocate(pool: KVPool, tokens: int) -> KVRegion:
+    """A range of `pool` for `tokens`; before refusing, once more after collecting garbage (a
+    finished session's range returns when its cache is freed, which a reference cycle can delay)."""
+    try:
+        return pool.allocate(tokens)
+    except TooManySessions:
+        gc.collect()
+        return pool.allocate(tokens)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -89,15 +111,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class SessionStore:
-    """Sessions by id, with an idle timeout, a cap on their count and, with a KVBudget, on the KV
-    bytes they hold; safe to call from any thread."""
+    """Sessions by id, with an idle timeout, a cap on their count and, with a KVBudget or a KV
+    pool, on the KV room they hold; safe to call from any thread."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, kv_budget: KVBudget | None = None):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, kv_budget: KVBudget | None = None, pool: KVPool | None = None):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._max_sessions = max_sessions
         self._idle_timeout_s = idle_timeout_s
         self.kv_budget = kv_budget or KVBudget()
+        self.pool = pool  # where the sessions' caches live; None: each its own
 
     def open(self, session_id: str, start: int, reserve_tokens: int = 0) -> Session:
         """The session to continue; a new one, with room for `reserve_tokens` (clamped to the
@@ -114,8 +137,11 @@ class SessionStore:
                         f"this worker holds its maximum of {self._max_sessions} sessions; retry later"
                     )
                 reserve_tokens = self.kv_budget.clamp(reserve_tokens)
-                self.kv_budget.admit(reserve_tokens, self._held_tokens)
-                session = Session.reserved(reserve_tokens)
+                if self.pool is not None:
+                    session = Session.reserved(reserve_tokens, _allocate(self.pool, reserve_tokens))
+                else:
+                    self.kv_budget.admit(reserve_tokens, self._held_tokens)
+                    session = Session.reserved(reserve_tokens)
                 self._sessions[session_id] = session
             session.last_used = time.monotonic()
             return session
@@ -124,7 +150,10 @@ class SessionStore:
         return sum(session.held_tokens() for session in self._sessions.values())
 
     def held_bytes(self) -> int:
-        """KV bytes the sessions hold or have reserved (what the budget counts)."""
+        """KV bytes the sessions hold or have reserved (what the budget counts); with a pool, the
+        bytes of its taken ranges."""
+        if self.pool is not None:
+            return self.pool.used_tokens() * self.pool.bytes_per_token
         with self._lock:
             return self.kv_budget.bytes_for(self._held_tokens())
 

@@ -49,10 +49,15 @@ def _lone(model, cache, tokens: list[int], visible=None, positions=None) -> torc
 def test_packed_sessions_get_their_lone_logits_through_steps_and_rollbacks(model):
     packer = enable_packing(model)
     assert packer is not None
-    generator = torch.Generator().manual_seed(1)
     lengths = [[17, 3, 1, 5], [4, 1, 9, 1], [30, 6, 2, 2], [1, 2, 1, 7]]  # per session, per step
+    check_packed_steps(model, packer, lengths, [GrowingKVCache() for _ in lengths])
+
+
+def check_packed_steps(model, packer, lengths: list[list[int]], packed: list) -> None:
+    """Four packed forwards of the sessions whose caches are `packed` (feeding `lengths[i][step]`
+    tokens), each session's rows against its lone forward's, with two rollbacks after the second."""
+    generator = torch.Generator().manual_seed(1)
     lone = [GrowingKVCache() for _ in lengths]
-    packed = [GrowingKVCache() for _ in lengths]
     for step in range(4):
         feeds = [torch.randint(0, 384, (n[step],), generator=generator).tolist() for n in lengths]
         want = [_lone(model, cache, feed) for cache, feed in zip(lone, feeds)]

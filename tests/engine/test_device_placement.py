@@ -20,8 +20,10 @@ from draft_service.tree_mask import TreeMasks
 from specd.core.logits import keyed_uniforms, logits_to_probs, penalize_repeats, sample_from_probs, sparse_to_dense
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist
 from specd.core.verify import greedy_verify, rejection_sample
+from specd.engine import pool_attention
 from specd.engine.forward import forward_logits
 from specd.engine.kv_cache import GrowingKVCache
+from specd.engine.kv_pool import BLOCK_TOKENS, KVPool, PooledKVCache
 from specd.engine.lean_llama import LeanLlama
 from specd.engine.packed_forward import Packer, Segment, _mask
 from specd.engine.session_cache import Session
@@ -89,6 +91,36 @@ def test_a_packed_forward_under_eager_attention_builds_its_additive_masks_there(
     assert _mask(step, cached.get_seq_length(), model.device).device == DEVICE  # meta would accept a CPU mask here
     logits, _ = packer.forward([Segment(GrowingKVCache(), [1, 2, 3], 3), step])
     assert all(row.device == DEVICE for row in logits)
+
+
+def _placed_flex(query, key, value, block_mask, **kwargs):
+    """FlexAttention refuses meta inputs: on meta, what it would be given is checked for its device
+    (the mask's own tensors, and those its mask_mod reads) and an output of its shape returned."""
+    assert query.device == key.device == value.device == DEVICE
+    assert all(t.device == DEVICE for t in block_mask.as_tuple() if isinstance(t, torch.Tensor))
+    index = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    assert block_mask.mask_mod(index, index, index, torch.arange(key.shape[2], device=DEVICE)).device == DEVICE
+    return torch.empty_like(query)
+
+
+def test_a_packed_forward_over_the_kv_pool_makes_its_mask_and_writes_on_the_device(model, monkeypatch):
+    """Sessions whose caches are ranges of one KV pool: a prompt, a step and a tree-like segment
+    with its own visibility, attended over the pool in one call per layer."""
+    if DEVICE.type == "meta":
+        monkeypatch.setattr(pool_attention, "_eager_flex", _placed_flex)
+    pool = KVPool.for_model(model, 4 * BLOCK_TOKENS)
+    assert pool.device == DEVICE
+    packer = Packer(model, "sdpa", pool)
+    packer.pooled = True  # the probe compares values, which meta has not
+    step_cache = PooledKVCache(pool.allocate(16))
+    packer.forward([Segment(step_cache, [3, 1, 4], 1)])
+    visible = torch.ones(2, 5, dtype=torch.bool, device=DEVICE).tril(3)  # [L, cached + L]
+    logits, _ = packer.forward([
+        Segment(PooledKVCache(pool.allocate(16)), [2, 7, 1, 8, 2], 1),
+        Segment(step_cache, [6, 5], 2, visible, [3, 4]),
+    ])
+    assert [tuple(row.shape) for row in logits] == [(1, VOCAB), (2, VOCAB)]
+    assert all(row.device == DEVICE for row in logits) and step_cache.get_seq_length() == 5
 
 
 def _tree(model, prefix: list[int]) -> tuple[Session, TreeMasks]:

@@ -1,0 +1,198 @@
+"""One KV pool per worker: every layer's keys and values for all its sessions, allocated once.
+
+A worker with a KV budget can hold its sessions' caches in one tensor per layer instead of one
+per session. Then a packed forward attends over all its sessions in one call per layer
+(specd/engine/pool_attention.py) instead of one per session, writes every session's new entries
+with one copy, and no cache allocates or copies memory to grow. A session takes a contiguous
+range of the pool: the room it reserves, rounded up to whole blocks of BLOCK_TOKENS, so that a
+block holds one session's entries and a forward's block mask skips the blocks of every other.
+
+A range returns to the pool when nothing holds its cache any more, not when its session ends:
+a job under way on the model thread may still write to a session that an EndSession removed
+from the store, and a range handed to a new session must not be written by the old one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from specd.core.errors import TooManySessions
+from specd.engine.kv_cache import GrowingLayer
+
+BLOCK_TOKENS = 128  # FlexAttention's default block: a range starts and ends on one
+_MIB = 1 << 20
+
+
+class KVPool:
+    """Keys and values [1, kv_heads, tokens, head_dim] for each layer, and which ranges are taken."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device):
+        blocks = tokens // BLOCK_TOKENS
+        if blocks < 1:
+            raise ValueError(f"a KV pool needs room for at least {BLOCK_TOKENS} tokens, not {tokens}")
+        self.tokens = blocks * BLOCK_TOKENS
+        shape = (1, kv_heads, self.tokens, head_dim)
+        # Zeros, not empty(): attention reads whole blocks and masks afterwards, and a never-written
+        # entry's NaN would survive a zero weight.
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]  # [1, kv, N, d] each
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.bytes_per_token = 2 * layers * kv_heads * head_dim * self.keys[0].element_size()
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, blocks)]  # (first block, blocks), sorted by first block
+        self._used_blocks = 0
+
+    @classmethod
+    def for_model(cls, model, tokens: int, shards: int = 1) -> "KVPool":
+        """A pool of `tokens` for `model`'s layers, in its dtype on its device (a rank's share of the
+        key/value heads under tensor parallelism)."""
+        config = model.config.get_text_config()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, -(-kv_heads // shards), head_dim, tokens, model.dtype, model.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    def used_tokens(self) -> int:
+        """Tokens of room taken by ranges that something still holds."""
+        with self._lock:
+            return self._used_blocks * BLOCK_TOKENS
+
+    def allocate(self, tokens: int) -> "KVRegion":
+        """A range of room for `tokens` (the first that fits); TooManySessions when none does."""
+        blocks = max(1, -(-tokens // BLOCK_TOKENS))
+        with self._lock:
+            for i, (first, free) in enumerate(self._free):
+                if free >= blocks:
+                    self._free[i : i + 1] = [(first + blocks, free - blocks)] if free > blocks else []
+                    self._used_blocks += blocks
+                    return KVRegion(self, first * BLOCK_TOKENS, blocks * BLOCK_TOKENS)
+            largest = max((free for _, free in self._free), default=0)
+        raise TooManySessions(
+            f"this worker's KV pool of {self.tokens} tokens ({self.tokens * self.bytes_per_token / _MIB:.0f} MiB) has no free range "
+            f"of {blocks * BLOCK_TOKENS} tokens (the largest is {largest * BLOCK_TOKENS}); retry later"
+        )
+
+    def _release(self, start: int, tokens: int) -> None:
+        """Return a range; neighbouring free ranges merge."""
+        first, blocks = start // BLOCK_TOKENS, tokens // BLOCK_TOKENS
+        with self._lock:
+            i = bisect.bisect(self._free, (first, blocks))
+            self._free.insert(i, (first, blocks))
+            if i + 1 < len(self._free) and first + blocks == self._free[i + 1][0]:
+                blocks += self._free.pop(i + 1)[1]
+                self._free[i] = (first, blocks)
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == first:
+                before = self._free.pop(i - 1)
+                self._free[i - 1] = (before[0], before[1] + blocks)
+            self._used_blocks -= tokens // BLOCK_TOKENS
+
+
+class KVRegion:
+    """A range of the pool: tokens [start, end) of every layer. It returns to the pool when it is
+    garbage (see the module's docstring)."""
+
+    def __init__(self, pool: KVPool, start: int, capacity: int):
+        self.pool, self.start, self.capacity = pool, start, capacity
+        weakref.finalize(self, pool._release, start, capacity)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.capacity
+
+
+class _Placement:
+    """Where a cache's layers live in the pool: one region for all of them, moved together. It
+    refers to its layers weakly: no reference cycle keeps a finished session's range taken until
+    the garbage collector runs."""
+
+    def __init__(self, region: KVRegion):
+        self.region = region
+        self.layers: list[weakref.ref] = []  # to PooledLayers
+
+    def grow(self, needed: int) -> None:
+        """Move every layer to a range with room for twice `needed` tokens, keeping what they cache."""
+        moved = self.region.pool.allocate(2 * needed)
+        old, self.region = self.region, moved
+        for ref in self.layers:
+            layer = ref()
+            if layer is not None:
+                layer.rebind(old)
+
+
+class PooledLayer(GrowingLayer):
+    """A GrowingLayer whose buffers are its placement's range of one pool layer."""
+
+    def __init__(self, placement: _Placement, layer_idx: int):
+        super().__init__()
+        self.placement, self.layer_idx = placement, layer_idx
+        self.length, self.key_buffer, self.value_buffer = 0, None, None
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        if needed > self.placement.region.capacity:
+            self.placement.grow(needed)  # rebinds every layer that holds entries
+        if self.key_buffer is None:
+            self._bind(self.placement.region)
+
+    def _bind(self, region: KVRegion) -> None:
+        pool = region.pool
+        self.key_buffer = pool.keys[self.layer_idx][..., region.start : region.end, :]  # [1, kv, capacity, d]: a view
+        self.value_buffer = pool.values[self.layer_idx][..., region.start : region.end, :]
+        self._fill_to(self.length)
+
+    def rebind(self, old: KVRegion) -> None:
+        """Copy what this layer caches from `old` into its placement's region, and use that."""
+        if self.key_buffer is None:
+            return
+        kept_keys, kept_values = self.key_buffer[..., : self.length, :], self.value_buffer[..., : self.length, :]
+        self._bind(self.placement.region)
+        self.key_buffer[..., : self.length, :] = kept_keys
+        self.value_buffer[..., : self.length, :] = kept_values
+
+    def advance(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Count entries a packed forward wrote straight into the pool (key_states, value_states:
+        [1, kv, new, d], what it wrote)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.key_buffer is None:
+            self._bind(self.placement.region)
+        self._fill_to(self.length + key_states.shape[-2])
+
+    def reset(self) -> None:
+        """Forget every entry; the range stays this layer's (nothing is zeroed: entries past the
+        length are never read unmasked)."""
+        self.length = 0
+        if self.key_buffer is not None:
+            self._fill_to(0)
+
+
+class PooledKVCache(DynamicCache):
+    """A session's cache in a KV pool: DynamicCache semantics (full attention, croppable) with
+    every layer a PooledLayer in `region`."""
+
+    def __init__(self, region: KVRegion):
+        placement = _Placement(region)
+        layers = [PooledLayer(placement, i) for i in range(len(region.pool.keys))]
+        placement.layers = [weakref.ref(layer) for layer in layers]
+        Cache.__init__(self, layers=layers)  # DynamicCache's own would make plain layers
+        self.placement = placement
+
+    @property
+    def region(self) -> KVRegion:
+        return self.placement.region
+
+    def capacity_tokens(self) -> int:
+        return self.placement.region.capacity
+
+    def ensure_room(self, tokens: int) -> None:
+        """Room for `tokens` in all, moving every layer first if the range holds fewer."""
+        if tokens > self.placement.region.capacity:
+            self.placement.grow(tokens)

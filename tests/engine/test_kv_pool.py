@@ -1,0 +1,199 @@
+"""The KV pool: sessions' caches as ranges of one tensor per layer, and packed forwards that
+attend over it in one call per layer.
+
+Its ranges (whole blocks, first fit, merged when returned, returned only when nothing holds the
+cache); a pooled cache's lone forwards against a growing cache's, bitwise, through rollbacks and a
+move past its range; packed forwards over the pool against lone forwards (ragged lengths,
+rollbacks, a tree segment, queries padded past a block); the session store admitting by ranges;
+and a served stack whose workers keep their caches in pools and decode what the target alone does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from specd.core.errors import NO_SESSION_ROOM, TooManySessions
+from specd.engine.kv_cache import GrowingKVCache
+from specd.engine.kv_pool import BLOCK_TOKENS, KVPool, PooledKVCache
+from specd.engine.packed_forward import Segment, enable_packing
+from specd.engine.session_cache import SessionStore
+from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, request, running_stack
+from tests.engine.test_batching import TOLERANCE, _lone, check_packed_steps
+from tests.tiny_models import build_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_llama(384, seed=3).eval()
+
+
+def _pool(model, tokens: int = 16 * BLOCK_TOKENS) -> KVPool:
+    return KVPool.for_model(model, tokens)
+
+
+def test_ranges_are_whole_blocks_first_fit_and_merge_when_returned(model):
+    pool = _pool(model, 4 * BLOCK_TOKENS + 5)
+    assert pool.tokens == 4 * BLOCK_TOKENS and pool.keys[0].shape == (1, 2, 4 * BLOCK_TOKENS, 16)
+    a, b, c = pool.allocate(1), pool.allocate(BLOCK_TOKENS + 1), pool.allocate(BLOCK_TOKENS)
+    assert [(r.start, r.capacity) for r in (a, b, c)] == [(0, 128), (128, 256), (384, 128)]
+    assert pool.used_tokens() == 4 * BLOCK_TOKENS
+    with pytest.raises(TooManySessions) as refused:
+        pool.allocate(1)
+    assert str(refused.value).startswith(NO_SESSION_ROOM)
+    del a, c  # two single blocks free, apart: no room for two blocks
+    with pytest.raises(TooManySessions):
+        pool.allocate(2 * BLOCK_TOKENS)
+    del b  # all three merge into one range
+    assert pool.used_tokens() == 0
+    assert pool.allocate(4 * BLOCK_TOKENS).start == 0
+
+
+def test_a_range_stays_taken_while_anything_holds_its_cache(model):
+    """A job under way holds its session's cache after EndSession: its range is not handed out."""
+    pool = _pool(model, 2 * BLOCK_TOKENS)
+    store = SessionStore(4, 60.0, pool=pool)
+    held = store.open("ended", 0, 2 * BLOCK_TOKENS).cache
+    store.end("ended")
+    with pytest.raises(TooManySessions):
+        store.open("next", 0, BLOCK_TOKENS)
+    del held
+    assert store.open("next", 0, BLOCK_TOKENS).cache.region.start == 0
+    assert store.held_bytes() == BLOCK_TOKENS * pool.bytes_per_token
+
+
+def test_a_session_that_outgrew_its_range_keeps_only_the_new_one_and_resets_into_it(model):
+    pool = _pool(model)
+    store = SessionStore(4, 60.0, pool=pool)
+    session = store.open("s", 0, BLOCK_TOKENS)
+    _lone(model, session.cache, list(range(1, 200)))  # past its first range: the cache moves
+    moved = session.cache.region
+    assert pool.used_tokens() == moved.capacity == 4 * BLOCK_TOKENS  # the first range went back
+    session.reset()  # a forward failed part-way
+    assert session.cache.region is moved and session.cache.get_seq_length() == 0
+    assert store.held_bytes() == moved.capacity * pool.bytes_per_token
+
+
+def test_a_pooled_cache_forwards_bitwise_as_a_growing_one_through_rollbacks_and_a_move(model):
+    pool = _pool(model)
+    blocker = pool.allocate(BLOCK_TOKENS)  # the cache's range is not the pool's first
+    growing, pooled = GrowingKVCache(), PooledKVCache(pool.allocate(BLOCK_TOKENS))
+    generator = torch.Generator().manual_seed(4)
+    for length in (20, 3, 1, 150, 2):  # the fourth feed passes the first range: every layer moves
+        tokens = torch.randint(0, 384, (length,), generator=generator).tolist()
+        assert torch.equal(_lone(model, growing, tokens), _lone(model, pooled, tokens))
+        growing.crop(-1)
+        pooled.crop(-1)
+    assert pooled.region.start >= 2 * BLOCK_TOKENS and pooled.capacity_tokens() >= 2 * 173
+    assert pooled.get_seq_length() == growing.get_seq_length() == 171
+    del blocker
+
+
+def test_packed_forwards_over_the_pool_get_lone_logits_through_steps_rollbacks_and_moves(model):
+    pool = _pool(model)
+    packer = enable_packing(model, pool)
+    assert packer.pooled
+    lengths = [[17, 3, 1, 5], [4, 1, 9, 1], [30, 6, 2, 2], [1, 140, 1, 7]]  # the last moves at step 1
+    pooled = [PooledKVCache(pool.allocate(32)) for _ in lengths]
+    check_packed_steps(model, packer, lengths, pooled)
+    assert pooled[3].capacity_tokens() > 128
+
+
+def test_a_tree_segment_over_the_pool_sees_only_its_branch(model):
+    pool = _pool(model)
+    packer = enable_packing(model, pool)
+    assert packer.pooled
+    prompt = list(range(10, 22))
+    lone, pooled, other = GrowingKVCache(), PooledKVCache(pool.allocate(64)), PooledKVCache(pool.allocate(64))
+    _lone(model, lone, prompt)
+    packer.forward([Segment(pooled, prompt, 1), Segment(other, [5, 6, 7], 1)])
+    cached = len(prompt)
+    visible = torch.zeros(3, cached + 3, dtype=torch.bool)  # two branches, then a child of the first
+    visible[:, :cached] = True
+    visible[1, cached - 2 :] = False  # the second branch roots two tokens earlier, as a tree's may
+    visible[0, cached] = visible[1, cached + 1] = visible[2, cached] = visible[2, cached + 2] = True
+    positions = [cached, cached - 2, cached + 1]
+    want = _lone(model, lone, [40, 41, 42], visible, positions)
+    for runs_before in (0, cached):  # a bitmap of every column; of the branches' only, as a tree's step says
+        got, _ = packer.forward([Segment(other, [9], 1), Segment(pooled, [40, 41, 42], 3, visible, positions, runs_before)])
+        assert torch.allclose(want, got[1], rtol=TOLERANCE, atol=TOLERANCE)
+        pooled.crop(-3)
+        other.crop(-1)
+
+
+def test_a_packed_prompt_longer_than_a_block_of_queries(model):
+    """Queries past the first block of 128, padded to a power of two: each sees its own session."""
+    pool = _pool(model)
+    packer = enable_packing(model, pool)
+    assert packer.pooled
+    prompts = [list(range(1, 200)), list(range(50, 90))]
+    lone = [GrowingKVCache() for _ in prompts]
+    pooled = [PooledKVCache(pool.allocate(256)) for _ in prompts]
+    want = [_lone(model, cache, prompt) for cache, prompt in zip(lone, prompts)]
+    got, _ = packer.forward([Segment(cache, prompt, len(prompt)) for cache, prompt in zip(pooled, prompts)])
+    for w, g in zip(want, got):
+        assert torch.allclose(w, g, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_a_served_stack_with_pools_decodes_as_the_target_alone(tiny_pair):
+    from specd.v1 import coordinator_pb2 as pb
+    from tests.conftest import greedy_reference, load_reference
+    from tests.observability.test_metrics import scrape
+
+    model, _ = load_reference(tiny_pair[0])
+    prompts = [[5 + i, 17, 42 + i, 99, 7, 3 + 2 * i][: 3 + i % 4] for i in range(6)]
+    pooled = {"metrics_port": 0, "kv_pool": "on", "kv_cache_bytes": 1 << 22}
+    unlimited = {"speculation_max_running": 0}  # speculate at any load: batched trees are the point
+    with running_stack(*tiny_pair, target_overrides=pooled, draft_overrides=pooled, coordinator_overrides=unlimited) as stack:
+        target_runner = stack.target.servicer.runner
+        assert "pooled_attention" in target_runner.fast_paths
+        stub = stack.stub()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as threads:
+            responses = list(threads.map(
+                lambda p: stub.Generate(request(p, mode=pb.SPECULATION_MODE_SSD, max_new_tokens=20), timeout=CALL_TIMEOUT_S), prompts
+            ))
+        target = scrape(stack.target.metrics.port)
+    for prompt, response in zip(prompts, responses):
+        assert_greedy_equal_or_near_tie(model, prompt, list(response.token_ids), greedy_reference(model, prompt, 20))
+    op = (("op", "verify"), ("role", "target"))
+    assert target[("specd_forward_batch_size_sum", op)] > target[("specd_forward_batch_size_count", op)]
+
+
+def test_a_pool_mask_lists_every_block_its_queries_see_and_no_other_session_s():
+    """A compiled FlexAttention reads only the blocks the mask lists (the eager form, which the
+    CPU runs, reads all): each visible entry lies in a listed block, and a block of queries lists
+    only blocks within the ranges of the sessions it holds queries of."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from specd.engine.pool_attention import PooledSegment, pool_mask
+
+    tree = torch.zeros(2, 102, dtype=torch.bool)  # two branches after a prefix of 100
+    tree[0, :100] = tree[1, :98] = True
+    tree[0, 100] = tree[1, 101] = True
+    segments = [  # (range start, range end) beside each
+        (PooledSegment(0, 150, 3), (0, 256)),
+        (PooledSegment(384, 100, 2, tree, runs_before=100), (384, 512)),
+        (PooledSegment(1024, 0, 130), (1024, 1280)),
+    ]
+    pool_tokens = 12 * BLOCK_TOKENS
+    mask = pool_mask([s for s, _ in segments], pool_tokens, torch.device("cpu"))
+    queries = mask.block_mask.shape[-2]
+    assert queries == 256 and mask.tokens == 135
+    assert mask.bitmap_columns == 16  # the branches' two columns, not the prefix's hundred
+    assert mask.write_index.tolist() == [150, 151, 152, 484, 485, *range(1024, 1154)]
+    visible = create_mask(mask.block_mask.mask_mod, 1, 1, queries, pool_tokens, "cpu")[0, 0]  # [256, N]
+    listed = mask.block_mask.to_dense()[0, 0].bool()  # [QB, NB]
+    listed = listed.repeat_interleave(BLOCK_TOKENS, 0).repeat_interleave(BLOCK_TOKENS, 1)  # [256, N]
+    assert not (visible & ~listed).any()
+    owner = torch.tensor([i for i, (s, _) in enumerate(segments) for _ in range(s.length)] + [-1] * (queries - 135))
+    for block in range(queries // BLOCK_TOKENS):
+        rows = slice(block * BLOCK_TOKENS, (block + 1) * BLOCK_TOKENS)
+        allowed = torch.zeros(pool_tokens, dtype=torch.bool)
+        for i in set(owner[rows].tolist()) - {-1}:
+            allowed[segments[i][1][0] : segments[i][1][1]] = True
+        assert not (listed[block * BLOCK_TOKENS] & ~allowed).any(), f"query block {block} lists another session's blocks"
+    assert visible[0, :151].all() and not visible[0, 151:].any()  # causal in its own range
+    assert visible[3, 384:485].all() and not visible[3, 485:].any() and not visible[3, :384].any()  # its branch only
+    assert visible[4, 384:482].all() and not visible[4, 482:485].any() and visible[4, 485] and not visible[4, 486:].any()
