@@ -16,7 +16,7 @@ from specd.core.sampling import SamplingSettings, SparseDist
 from specd.engine.forward import forward_logits, prefill_session
 from specd.engine.lean_llama import lean_or_plain
 from specd.engine.loading import LoadedModel
-from specd.engine.packed_forward import Segment, enable_packing
+from specd.engine.packed_forward import Segment, enable_packing, packing_fast_paths
 from specd.engine.session_cache import Session, SessionStore
 from specd.engine.step_batcher import Job, Step, guarded_step
 
@@ -37,13 +37,12 @@ class DraftModelRunner:
         self.copy = copy
         # A small draft's forwards are mostly per-call overhead on a CPU: its backend says lean.
         self.model = lean_or_plain(loaded.model) if lean else loaded.model
-        self.packer = enable_packing(loaded.model)  # None: one session per forward
+        self.packer = enable_packing(loaded.model, sessions.pool)  # None: one session per forward
         self.sessions = sessions
         self.max_support = max_support
         self.backend = backend  # the device backend the model runs on, and the fast paths it took
-        self.fast_paths = fast_paths + tuple(
-            path for path, taken in (("lean_forward", self.model is not loaded.model), ("packed_forward", self.packer is not None)) if taken
-        )
+        lean_path = ("lean_forward",) if self.model is not loaded.model else ()
+        self.fast_paths = fast_paths + lean_path + packing_fast_paths(self.packer, sessions.pool)
 
     def prefill(self, session_id: str, start: int, tokens: list[int], reserve_tokens: int = 0) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms).

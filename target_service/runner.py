@@ -27,7 +27,7 @@ from specd.engine.batcher import AGAIN, Again
 from specd.engine.forward import forward_logits
 from specd.engine.host_copy import to_host
 from specd.engine.loading import LoadedModel
-from specd.engine.packed_forward import Segment, enable_packing
+from specd.engine.packed_forward import Segment, enable_packing, packing_fast_paths
 from specd.engine.session_cache import Session, SessionStore
 
 MIN_CHUNK = 16  # fewest catch-up tokens a cut call caches per forward, however full the forward: it must progress
@@ -115,9 +115,9 @@ class TargetModelRunner:
         self.loaded = loaded
         self.tokenizer_spec = tokenizer_spec  # what the coordinator tokenises with (its Info); None: not exportable
         self.sessions = sessions
-        self._packer = enable_packing(loaded.model) if pack else None  # None: one session per forward
+        self._packer = enable_packing(loaded.model, sessions.pool) if pack else None  # None: one session per forward
         self.backend = backend  # the device backend the model runs on, and the fast paths it took
-        self.fast_paths = fast_paths + (("packed_forward",) if self._packer is not None else ())
+        self.fast_paths = fast_paths + packing_fast_paths(self._packer, sessions.pool)
         self._prefill_chunk = prefill_chunk  # in a shared forward, most committed tokens a call caches (0: all)
         self.last_forward: ForwardCost | None = None  # of run_batch's forward, if it ran one
 

@@ -5,7 +5,8 @@ One run, within minutes on one GPU and no network: the device-placement tests fo
 ssd against the target alone (benchmarks/check_exactness.py); a synthetic pair of a real model's
 shape (benchmarks/synthetic_pair.py: a Llama-3.1-8B-shaped target in bfloat16 whose later layers
 add small residuals, and a draft of its first layers) through `specd bench` on the GPU; and its
-one-token step and verify of K + 1 tokens timed against the floor of reading its weights once.
+one-token step and verify of K + 1 tokens timed against the floor of reading its weights once, and
+a packed verify of several sessions with attention per session against one call over the KV pool.
 Everything it measured goes into one JSON, OUT/gpu_check.json; the models and logs it makes stay
 in a temporary folder (--work) it removes at the end. The whole run keeps to --budget-s: each step
 gets its share of what is left, and a step past it is stopped with everything it started.
@@ -190,7 +191,38 @@ def step_timing(work: pathlib.Path, timeout: float, context: int = 512, repeats:
         times[tokens] = sorted(samples)[len(samples) // 2]
     floor_ms = weight_bytes / HBM_BYTES_PER_S * 1000.0
     return {"weight_bytes_read": weight_bytes, "floor_ms": floor_ms, "step_ms": times[1], "verify_ms": times[K + 1],
-            "step_over_floor": times[1] / floor_ms, "verify_over_step": times[K + 1] / times[1], "torch": torch.__version__}
+            "step_over_floor": times[1] / floor_ms, "verify_over_step": times[K + 1] / times[1], "torch": torch.__version__,
+            "packed_verify": packed_verify_timing(model, batch=8, context=context, repeats=repeats)}
+
+
+def packed_verify_timing(model, batch: int, context: int, repeats: int) -> dict:
+    """A verify of K + 1 tokens for `batch` sessions of `context` tokens in one packed forward, its
+    median ms with attention per session and with one call per layer over the KV pool (each after
+    a warm-up forward, which compiles the pool's attention on a GPU)."""
+    from specd.engine.forward import forward_logits
+    from specd.engine.kv_pool import BLOCK_TOKENS, KVPool, PooledKVCache
+    from specd.engine.packed_forward import Segment, enable_packing
+
+    pool = KVPool.for_model(model, batch * (context + 2 * BLOCK_TOKENS))
+    started = time.monotonic()
+    packer = enable_packing(model, pool)
+    report = {"batch": batch, "context": context, "probe_s": time.monotonic() - started,
+              "pooled_probe_agrees": bool(packer and packer.pooled)}
+    if packer is None:
+        return report
+    caches = [PooledKVCache(pool.allocate(context + BLOCK_TOKENS)) for _ in range(batch)]
+    for i, cache in enumerate(caches):
+        forward_logits(model, cache, [2 + (i + t) % 50 for t in range(context)], 1)
+    for pooled in (False, True) if report["pooled_probe_agrees"] else (False,):
+        packer.pooled = pooled
+        samples = []
+        for _ in range(repeats + 1):  # the first warms up
+            _, forward_ms = packer.forward([Segment(cache, list(range(3, K + 4)), K + 1) for cache in caches])
+            samples.append(forward_ms)
+            for cache in caches:
+                cache.crop(-(K + 1))
+        report["pooled_ms" if pooled else "per_session_ms"] = sorted(samples[1:])[repeats // 2]
+    return report
 
 
 def dry_run() -> int:
@@ -207,6 +239,10 @@ def dry_run() -> int:
             from specd.engine.loading import load_causal_lm
 
             load_causal_lm(str(pathlib.Path(work) / "draft"), device="cpu")
+            target = load_causal_lm(str(pathlib.Path(work) / "target"), device="cpu").model
+            packed = packed_verify_timing(target, batch=2, context=16, repeats=1)
+            if not packed["pooled_probe_agrees"] or "pooled_ms" not in packed:
+                problems.append(f"the packed verify over the KV pool did not run at the tiny shape: {packed}")
             words = [t for t in greedy_smoke(str(pathlib.Path(work) / "target")) if t != 0]
             if len(words) < 2:
                 problems.append(f"the tiny synthetic target wrote {len(words)} tokens before its end of text")

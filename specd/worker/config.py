@@ -52,6 +52,13 @@ class WorkerConfig:
         "workers on one GPU: shares that add up to at most 1; specd up gives 0.7 and 0.2 when the draft shares the "
         "target's GPU)",
     )
+    kv_pool: str = setting(
+        "auto",
+        "keep every session's KV cache in one pool per layer, allocated at start to the KV budget, so that a batch's "
+        "forward attends over all its sessions in one FlexAttention call per layer instead of one per session (auto: "
+        "on a GPU, with a budget and no tensor parallelism; on needs a budget, --kv-cache-bytes on a CPU)",
+        choices=("auto", "on", "off"),
+    )
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
     retired_session_memory_s: float = setting(
         30.0,

@@ -7,7 +7,9 @@ import logging
 
 from specd.core.config import ConfigError
 from specd.engine.kv_budget import KVBudget, budget_bytes, kv_bytes_per_token
+from specd.engine.kv_pool import KVPool
 from specd.engine.loading import LoadedModel
+from specd.engine.packed_forward import full_attention_only
 from specd.engine.session_cache import SessionStore
 from specd.worker.config import WorkerConfig
 
@@ -37,5 +39,26 @@ def session_store(config: WorkerConfig, loaded: LoadedModel, shards: int = 1, ad
                 budget_tokens, loaded.context_length, budget_tokens,
             )
             loaded = dataclasses.replace(loaded, context_length=budget_tokens)
+    pool = None
+    if _pools(config.kv_pool, limit, shards, loaded.model):
+        pool = KVPool.for_model(loaded.model, limit // per_token, shards)
+        log.info("KV pool of %d tokens on %s: a batch attends over it in one call per layer", pool.tokens, pool.device)
+        loaded = dataclasses.replace(loaded, context_length=min(loaded.context_length, pool.tokens))
     budget = KVBudget(bytes_per_token=per_token, budget_bytes=limit, max_tokens=loaded.context_length)
-    return SessionStore(config.max_sessions, config.session_idle_timeout_s, budget), loaded
+    return SessionStore(config.max_sessions, config.session_idle_timeout_s, budget, pool), loaded
+
+
+def _pools(setting: str, limit: int, shards: int, model) -> bool:
+    """Whether --kv-pool puts the sessions' caches in one pool (see WorkerConfig.kv_pool)."""
+    if setting == "off":
+        return False
+    fits = full_attention_only(model.config.get_text_config())
+    if setting == "auto":
+        return model.device.type == "cuda" and limit > 0 and shards == 1 and fits
+    if shards > 1:
+        raise ConfigError("--kv-pool on: not with tensor parallelism (each rank would place sessions on its own)")
+    if not limit:
+        raise ConfigError("--kv-pool on: the pool is the KV budget; give one with --kv-cache-bytes (a CPU has none by default)")
+    if not fits:
+        raise ConfigError("--kv-pool on: the model has layers that do not attend to the whole context")
+    return True
