@@ -16,7 +16,7 @@ from specd.core.sampling import SamplingSettings, SparseDist
 from specd.engine.forward import forward_logits, prefill_session
 from specd.engine.lean_llama import lean_or_plain
 from specd.engine.loading import LoadedModel
-from specd.engine.packed_forward import Segment, enable_packing, packing_fast_paths
+from specd.engine.packed_forward import Segment, enable_packing, graphs_fit, packing_fast_paths
 from specd.engine.session_cache import Session, SessionStore
 from specd.engine.step_batcher import Job, Step, guarded_step
 
@@ -31,13 +31,13 @@ class Proposal:
 class DraftModelRunner:
     def __init__(
         self, loaded: LoadedModel, sessions: SessionStore, max_support: int, copy: CopyDrafting = OFF, backend: str = "cpu",
-        fast_paths: tuple[str, ...] = (), lean: bool = True,
+        fast_paths: tuple[str, ...] = (), lean: bool = True, cuda_graphs: bool = False,
     ):
         self.loaded = loaded
         self.copy = copy
         # A small draft's forwards are mostly per-call overhead on a CPU: its backend says lean.
         self.model = lean_or_plain(loaded.model) if lean else loaded.model
-        self.packer = enable_packing(loaded.model, sessions.pool)  # None: one session per forward
+        self.packer = enable_packing(loaded.model, sessions.pool, graphs_fit(cuda_graphs, loaded.model))  # None: one session per forward
         self.sessions = sessions
         self.max_support = max_support
         self.backend = backend  # the device backend the model runs on, and the fast paths it took

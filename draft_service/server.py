@@ -24,7 +24,7 @@ def load_runner(config: DraftConfig) -> DraftModelRunner:
     sessions, loaded = session_store(config, prepared.loaded)
     return DraftModelRunner(
         loaded, sessions, config.max_support, config.copy_drafting(), backend=prepared.backend,
-        fast_paths=prepared.fast_paths, lean=prepared.lean_forward,
+        fast_paths=prepared.fast_paths, lean=prepared.lean_forward, cuda_graphs=config.cuda_graphs,
     )
 
 

@@ -27,7 +27,7 @@ from specd.engine.batcher import AGAIN, Again
 from specd.engine.forward import forward_logits
 from specd.engine.host_copy import to_host
 from specd.engine.loading import LoadedModel
-from specd.engine.packed_forward import Segment, enable_packing, packing_fast_paths
+from specd.engine.packed_forward import Segment, enable_packing, graphs_fit, packing_fast_paths
 from specd.engine.session_cache import Session, SessionStore
 
 MIN_CHUNK = 16  # fewest catch-up tokens a cut call caches per forward, however full the forward: it must progress
@@ -110,12 +110,13 @@ class _Synced:
 class TargetModelRunner:
     def __init__(
         self, loaded: LoadedModel, sessions: SessionStore, pack: bool = True, prefill_chunk: int = 0, backend: str = "cpu",
-        fast_paths: tuple[str, ...] = (), tokenizer_spec: TokenizerSpec | None = None,
+        fast_paths: tuple[str, ...] = (), tokenizer_spec: TokenizerSpec | None = None, cuda_graphs: bool = False,
     ):
         self.loaded = loaded
         self.tokenizer_spec = tokenizer_spec  # what the coordinator tokenises with (its Info); None: not exportable
         self.sessions = sessions
-        self._packer = enable_packing(loaded.model, sessions.pool) if pack else None  # None: one session per forward
+        # None: one session per forward
+        self._packer = enable_packing(loaded.model, sessions.pool, graphs_fit(cuda_graphs, loaded.model)) if pack else None
         self.backend = backend  # the device backend the model runs on, and the fast paths it took
         self.fast_paths = fast_paths + packing_fast_paths(self._packer, sessions.pool)
         self._prefill_chunk = prefill_chunk  # in a shared forward, most committed tokens a call caches (0: all)
@@ -197,7 +198,7 @@ class TargetModelRunner:
     def _forward(self, batch: list[_Synced]) -> tuple[list[torch.Tensor], float]:
         """Each call's last `num_logits` logits ([num_logits, V] each) and the forward's ms."""
         try:
-            if len(batch) == 1:
+            if len(batch) == 1 and not (self._packer is not None and self._packer.pooled):  # one over the pool: a graph
                 one = batch[0]
                 logits, forward_ms = forward_logits(self.loaded.model, one.session.cache, one.feed, one.num_logits)
                 logits = [logits]

@@ -28,6 +28,7 @@ def load_runner(config: TargetConfig) -> TargetModelRunner:
     return TargetModelRunner(
         loaded, sessions, prefill_chunk=config.prefill_chunk_tokens, backend=prepared.backend,
         fast_paths=prepared.fast_paths, tokenizer_spec=export_tokenizer_or_none(prepared.loaded.tokenizer),
+        cuda_graphs=config.cuda_graphs,
     )
 
 

@@ -196,16 +196,18 @@ def step_timing(work: pathlib.Path, timeout: float, context: int = 512, repeats:
 
 
 def packed_verify_timing(model, batch: int, context: int, repeats: int) -> dict:
-    """A verify of K + 1 tokens for `batch` sessions of `context` tokens in one packed forward, its
-    median ms with attention per session and with one call per layer over the KV pool (each after
-    a warm-up forward, which compiles the pool's attention on a GPU)."""
+    """A verify of K + 1 tokens for `batch` sessions of `context` tokens in one packed forward: its
+    median ms with attention per session, over the KV pool in one call per layer, and (on a GPU)
+    that replayed as a CUDA graph; each arm after a warm-up forward (which compiles its kernels and
+    captures its graph)."""
     from specd.engine.forward import forward_logits
     from specd.engine.kv_pool import BLOCK_TOKENS, KVPool, PooledKVCache
     from specd.engine.packed_forward import Segment, enable_packing
 
-    pool = KVPool.for_model(model, batch * (context + 2 * BLOCK_TOKENS))
+    pool = KVPool.for_model(model, (batch + 1) * (context + 2 * BLOCK_TOKENS))
+    on_gpu = model.device.type == "cuda"
     started = time.monotonic()
-    packer = enable_packing(model, pool)
+    packer = enable_packing(model, pool, graphs=on_gpu)
     report = {"batch": batch, "context": context, "probe_s": time.monotonic() - started,
               "pooled_probe_agrees": bool(packer and packer.pooled)}
     if packer is None:
@@ -213,15 +215,21 @@ def packed_verify_timing(model, batch: int, context: int, repeats: int) -> dict:
     caches = [PooledKVCache(pool.allocate(context + BLOCK_TOKENS)) for _ in range(batch)]
     for i, cache in enumerate(caches):
         forward_logits(model, cache, [2 + (i + t) % 50 for t in range(context)], 1)
-    for pooled in (False, True) if report["pooled_probe_agrees"] else (False,):
-        packer.pooled = pooled
+    arms = {"per_session_ms": (False, False)}
+    if report["pooled_probe_agrees"]:
+        arms["pooled_ms"] = (True, False)
+        if packer.over_pool.graphs:
+            arms["graphed_ms"] = (True, True)
+    for name, (pooled, graphs) in arms.items():
+        packer.pooled, packer.over_pool.graphs = pooled, graphs
         samples = []
         for _ in range(repeats + 1):  # the first warms up
             _, forward_ms = packer.forward([Segment(cache, list(range(3, K + 4)), K + 1) for cache in caches])
             samples.append(forward_ms)
             for cache in caches:
                 cache.crop(-(K + 1))
-        report["pooled_ms" if pooled else "per_session_ms"] = sorted(samples[1:])[repeats // 2]
+        report[name] = sorted(samples[1:])[repeats // 2]
+    report["graphs_kept"] = packer.over_pool.graphs  # False: a capture failed or differed (the worker's log says why)
     return report
 
 

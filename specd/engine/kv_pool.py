@@ -34,9 +34,12 @@ class KVPool:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype, device):
         blocks = tokens // BLOCK_TOKENS
-        if blocks < 1:
-            raise ValueError(f"a KV pool needs room for at least {BLOCK_TOKENS} tokens, not {tokens}")
-        self.tokens = blocks * BLOCK_TOKENS
+        if blocks < 2:
+            raise ValueError(f"a KV pool needs room for at least {2 * BLOCK_TOKENS} tokens, not {tokens}")
+        self.tokens = blocks * BLOCK_TOKENS  # every layer's length
+        # The last block is no session's: a padded forward's padding queries write to its last entry.
+        self.room = self.tokens - BLOCK_TOKENS  # what sessions can take
+        self.spare_index = self.tokens - 1
         shape = (1, kv_heads, self.tokens, head_dim)
         # Zeros, not empty(): attention reads whole blocks and masks afterwards, and a never-written
         # entry's NaN would survive a zero weight.
@@ -44,7 +47,7 @@ class KVPool:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * self.keys[0].element_size()
         self._lock = threading.Lock()
-        self._free: list[tuple[int, int]] = [(0, blocks)]  # (first block, blocks), sorted by first block
+        self._free: list[tuple[int, int]] = [(0, blocks - 1)]  # (first block, blocks), sorted by first block
         self._used_blocks = 0
 
     @classmethod
@@ -77,7 +80,7 @@ class KVPool:
                     return KVRegion(self, first * BLOCK_TOKENS, blocks * BLOCK_TOKENS)
             largest = max((free for _, free in self._free), default=0)
         raise TooManySessions(
-            f"this worker's KV pool of {self.tokens} tokens ({self.tokens * self.bytes_per_token / _MIB:.0f} MiB) has no free range "
+            f"this worker's KV pool of {self.room} tokens ({self.room * self.bytes_per_token / _MIB:.0f} MiB) has no free range "
             f"of {blocks * BLOCK_TOKENS} tokens (the largest is {largest * BLOCK_TOKENS}); retry later"
         )
 
@@ -157,14 +160,15 @@ class PooledLayer(GrowingLayer):
         self.key_buffer[..., : self.length, :] = kept_keys
         self.value_buffer[..., : self.length, :] = kept_values
 
-    def advance(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Count entries a packed forward wrote straight into the pool (key_states, value_states:
-        [1, kv, new, d], what it wrote)."""
+    def advance(self, count: int) -> None:
+        """Count `count` entries a packed forward wrote straight into the pool after this layer's."""
+        region = self.placement.region
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            pool = region.pool
+            self.lazy_initialization(pool.keys[self.layer_idx][..., :0, :], pool.values[self.layer_idx][..., :0, :])
         if self.key_buffer is None:
-            self._bind(self.placement.region)
-        self._fill_to(self.length + key_states.shape[-2])
+            self._bind(region)
+        self._fill_to(self.length + count)
 
     def reset(self) -> None:
         """Forget every entry; the range stays this layer's (nothing is zeroed: entries past the

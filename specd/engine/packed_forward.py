@@ -38,7 +38,8 @@ from specd.engine.forward import elapsed_ms
 from specd.engine.kv_cache import GrowingKVCache, croppable
 from specd.engine.kv_pool import KVPool, PooledKVCache
 from specd.engine.llama_layers import decoder_layers, run_layers
-from specd.engine.pool_attention import PooledSegment, PoolMask, pool_mask, pooled_attention
+from specd.engine.pool_attention import PooledSegment, mask_inputs
+from specd.engine.pooled_forward import ForwardInputs, PooledForward
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class Segment:
 
 class _PackedBatch:
     """Stands in for the cache during one packed forward: each layer's new keys and values go
-    to the segments' own caches; attention then reads each segment's full cache from here, or,
-    when every segment's cache is in the KV pool, the pool's layer in one call."""
+    to the segments' own caches; attention then reads each segment's full cache from here
+    (specd/engine/pooled_forward.py's PoolBatch does when every cache is in the KV pool)."""
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments
@@ -72,29 +73,25 @@ class _PackedBatch:
         self.masks: list[torch.Tensor | None] = []  # [1, 1, L, cached + L] each, on the model's device (set by Packer)
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current layer's, per segment
         self.base_attention = "sdpa"  # the model's own attention (a key of _BASES), run per segment
-        self.pool: KVPool | None = None  # with pool_mask: attend over the pool (set by Packer)
-        self.pool_mask: PoolMask | None = None
-        self.layer_idx = 0  # the layer whose keys and values were written last
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [1, kv_heads, T, head_dim], packed."""
-        self.layer_idx = layer_idx
-        if self.pool_mask is not None:
-            self._write_to_pool(key_states, value_states, layer_idx)
-            return key_states, value_states
         self.views = [
             segment.cache.update(key_states[:, :, a:b], value_states[:, :, a:b], layer_idx)
             for segment, (a, b) in zip(self.segments, self.bounds)
         ]  # [1, kv_heads, cached + L, head_dim] each
         return key_states, value_states
 
-    def _write_to_pool(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
-        """Every segment's new entries with one copy per tensor; each cache counts its own."""
-        index = self.pool_mask.write_index  # [T]
-        self.pool.keys[layer_idx].index_copy_(2, index, key_states)  # into [1, kv_heads, N, head_dim]
-        self.pool.values[layer_idx].index_copy_(2, index, value_states)
-        for segment, (a, b) in zip(self.segments, self.bounds):
-            segment.cache.layers[layer_idx].advance(key_states[:, :, a:b], value_states[:, :, a:b])
+    def attend(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None) -> torch.Tensor:
+        """The model's own attention once per segment: query [1, heads, T, head_dim] -> [1, T, heads, head_dim]."""
+        base = _BASES[self.base_attention]
+        outputs = []
+        for (a, b), (keys, values), mask in zip(self.bounds, self.views, self.masks):
+            if mask is not None and base is eager_attention_forward:
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, torch.finfo(query.dtype).min)
+            output, _ = base(module, query[:, :, a:b], keys, values, mask, dropout=dropout, scaling=scaling)
+            outputs.append(output)  # [1, L, heads, head_dim]
+        return torch.cat(outputs, dim=1)
 
 
 def _mask(segment: Segment, cached: int, device: torch.device) -> torch.Tensor | None:
@@ -109,23 +106,10 @@ def _mask(segment: Segment, cached: int, device: torch.device) -> torch.Tensor |
 
 
 def _packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The model's own attention, per segment when the forward is packed.
-
-    query: [1, heads, T, head_dim]; returns ([1, T, heads, head_dim], None) as transformers'
-    attention functions do.
-    """
-    batch: _PackedBatch = kwargs[_PACKED]
-    if batch.pool_mask is not None:
-        keys, values = batch.pool.keys[batch.layer_idx], batch.pool.values[batch.layer_idx]  # [1, kv_heads, N, head_dim]
-        return pooled_attention(query, keys, values, batch.pool_mask, scaling), None
-    base = _BASES[batch.base_attention]
-    outputs = []
-    for (a, b), (keys, values), mask in zip(batch.bounds, batch.views, batch.masks):
-        if mask is not None and base is eager_attention_forward:
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, torch.finfo(query.dtype).min)
-        output, _ = base(module, query[:, :, a:b], keys, values, mask, dropout=dropout, scaling=scaling)
-        outputs.append(output)  # [1, L, heads, head_dim]
-    return torch.cat(outputs, dim=1), None
+    """A packed forward's attention, as the batch standing in for the cache does it (per segment,
+    or over the KV pool). query: [1, heads, T, head_dim]; returns ([1, T, heads, head_dim], None)
+    as transformers' attention functions do."""
+    return kwargs[_PACKED].attend(module, query, key, value, attention_mask, dropout, scaling), None
 
 
 AttentionInterface.register(_PACKED, _packed_attention)
@@ -134,11 +118,12 @@ AttentionInterface.register(_PACKED, _packed_attention)
 class Packer:
     """Packed forwards for one model (see the module's docstring)."""
 
-    def __init__(self, model, base_attention: str, pool: KVPool | None = None):
+    def __init__(self, model, base_attention: str, pool: KVPool | None = None, graphs: bool = False):
         self.model = model
         self.base_attention = base_attention  # sdpa or eager: what the model's config names
         self.pool = pool  # the worker's KV pool, if its sessions' caches are in one
         self.pooled = False  # attend over the pool in one call when every segment's cache is in it (set once probed)
+        self.over_pool = PooledForward(pool, self._logits, graphs) if pool is not None else None
         self._inner = model.model
         self._layers = decoder_layers(model)
 
@@ -147,6 +132,8 @@ class Packer:
         config = self.model.config
         config._attn_implementation_internal = _PACKED
         try:
+            if self.pooled and all(isinstance(s.cache, PooledKVCache) and s.cache.region.pool is self.pool for s in segments):
+                return self._forward_over_pool(segments)
             return self._forward(segments)
         finally:
             config._attn_implementation_internal = self.base_attention
@@ -155,10 +142,7 @@ class Packer:
     def _forward(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:
         device = self.model.device
         batch = _PackedBatch(segments)
-        if self.pooled and all(isinstance(s.cache, PooledKVCache) and s.cache.region.pool is self.pool for s in segments):
-            batch.pool, batch.pool_mask = self.pool, pool_mask(_pooled_segments(segments), self.pool.tokens, device)
-        else:
-            batch.masks = [_mask(s, s.cache.get_seq_length(), device) for s in segments]
+        batch.masks = [_mask(s, s.cache.get_seq_length(), device) for s in segments]
         batch.base_attention = self.base_attention
         started = time.perf_counter()
         ids = torch.tensor([[t for s in segments for t in s.tokens]], dtype=torch.long, device=device)  # [1, T]
@@ -169,6 +153,33 @@ class Packer:
         hidden = self._inner.norm(hidden[:, rows])  # [1, sum of num_logits, H]
         logits = self.model.lm_head(hidden)[0].float()  # [sum of num_logits, V], on the model's device
         return list(logits.split([s.num_logits for s in segments])), elapsed_ms(started, device)
+
+    @torch.inference_mode()
+    def _forward_over_pool(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:
+        """The packed forward at its padded shape over the KV pool (specd/engine/pooled_forward.py);
+        the caches count their new entries afterwards."""
+        device = self.model.device
+        started = time.perf_counter()
+        mask = mask_inputs(_pooled_segments(segments), self.pool.spare_index, device)
+        pad = mask.shape[0] - mask.tokens
+        ids = torch.tensor([[t for s in segments for t in s.tokens] + [0] * pad], dtype=torch.long, device=device)  # [1, Q]
+        positions = torch.tensor([[p for s in segments for p in _positions(s)] + [0] * pad], device=device)  # [1, Q]
+        ends = list(itertools.accumulate(len(s.tokens) for s in segments))
+        rows = torch.tensor([i for b, s in zip(ends, segments) for i in range(b - s.num_logits, b)], device=device)
+        logits = self.over_pool.logits(ForwardInputs(ids, positions, mask), rows)  # [sum of num_logits, V]
+        for s in segments:
+            for layer in s.cache.layers:
+                layer.advance(len(s.tokens))
+        return list(logits.split([s.num_logits for s in segments])), elapsed_ms(started, device)
+
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, batch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [R, V] of `rows` (None: every one) of a forward of ids [1, Q] at `positions`
+        [1, Q], `batch` standing in for the cache."""
+        hidden = self._inner.embed_tokens(ids)  # [1, Q, H]
+        hidden = run_layers(self.model, self._layers, hidden, positions, batch, **{_PACKED: batch})  # [1, Q, H]
+        if rows is not None:
+            hidden = hidden[:, rows]  # [1, R, H]
+        return self.model.lm_head(self._inner.norm(hidden))[0].float()  # [R, V]
 
 
 def _pooled_segments(segments: list[Segment]) -> list[PooledSegment]:
@@ -188,9 +199,10 @@ def _positions(segment: Segment) -> list[int]:
     return list(range(cached, cached + len(segment.tokens)))
 
 
-def enable_packing(model, pool: KVPool | None = None) -> Packer | None:
+def enable_packing(model, pool: KVPool | None = None, graphs: bool = False) -> Packer | None:
     """A Packer for `model` when its layout allows packing and the probe agrees; else None. With
-    the worker's KV `pool`, it attends over the pool in one call where a second probe agrees."""
+    the worker's KV `pool`, it attends over the pool in one call where a second probe agrees, and
+    with `graphs` (a GPU) replays such forwards as CUDA graphs."""
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "rotary_emb", "norm")
@@ -199,7 +211,7 @@ def enable_packing(model, pool: KVPool | None = None) -> Packer | None:
     base = config._attn_implementation
     if base not in _BASES or not full_attention_only(config):
         return None
-    packer = Packer(model, base, pool)
+    packer = Packer(model, base, pool, graphs)
     with float32_products(model):  # a draft's bfloat16 copies round 1-8-row products only
         agrees = _agrees(model, packer, GrowingKVCache)
         if agrees and pool is not None:
@@ -210,9 +222,18 @@ def enable_packing(model, pool: KVPool | None = None) -> Packer | None:
     return packer
 
 
+def graphs_fit(asked: bool, model) -> bool:
+    """Whether forwards over the KV pool replay as CUDA graphs: asked, and the model is on a GPU."""
+    return asked and model.device.type == "cuda"
+
+
 def packing_fast_paths(packer: Packer | None, pool: KVPool | None) -> tuple[str, ...]:
     """What a worker reports of how its forwards pack and where its caches live."""
-    taken = (("packed_forward", packer is not None), ("kv_pool", pool is not None), ("pooled_attention", packer is not None and packer.pooled))
+    pooled = packer is not None and packer.pooled
+    taken = (
+        ("packed_forward", packer is not None), ("kv_pool", pool is not None), ("pooled_attention", pooled),
+        ("cuda_graphs", pooled and packer.over_pool.graphs),
+    )
     return tuple(name for name, on in taken if on)
 
 

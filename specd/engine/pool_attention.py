@@ -9,7 +9,8 @@ the blocks its sessions' ranges cover, and the call replaces the loop of one att
 
 The block mask comes from each query's ranges in a few tensor operations on the model's device
 (no read-back). On a GPU FlexAttention is compiled (its eager form materializes every score);
-query counts and bitmap widths are padded to powers of two so that the compiled kernels are few.
+query counts and bitmap widths are padded to powers of two so that the compiled kernels (and the
+CUDA graphs of specd/engine/pooled_forward.py) are few.
 """
 
 from __future__ import annotations
@@ -39,13 +40,27 @@ class PooledSegment:
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolMask:
-    """One packed forward's mask over the pool, and where its new entries go."""
+class MaskInputs:
+    """One packed forward's placement in the pool, at its padded query count Q: what its block
+    mask is made from (block_mask below) and where its new entries go. Query q sees pool entries
+    [lo, hi), and those of [window, window + width) whose bit is set in its bitmap row; a padding
+    query sees nothing and writes to the pool's spare entry."""
 
-    block_mask: BlockMask
-    write_index: torch.Tensor  # [T] int64: the pool index of each packed token's new key and value
-    tokens: int  # T, the packed tokens (queries are padded to block_mask's length)
-    bitmap_columns: int  # the visibility bitmap's width (with the padded query count, a compiled kernel's shape)
+    lo: torch.Tensor  # [Q] int64
+    hi: torch.Tensor  # [Q] int64
+    window: torch.Tensor  # [Q] int64
+    width: torch.Tensor  # [Q] int64
+    bitmap: torch.Tensor  # [Q, C] bool
+    write_index: torch.Tensor  # [Q] int64: the pool index of each query's new key and value
+    tokens: int  # the packed tokens, before padding
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(Q, C): with the pool's size, what a compiled kernel or a CUDA graph is made for."""
+        return tuple(self.bitmap.shape)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.lo, self.hi, self.window, self.width, self.bitmap, self.write_index
 
 
 def padded(count: int) -> int:
@@ -53,25 +68,26 @@ def padded(count: int) -> int:
     return max(16, 1 << (count - 1).bit_length())
 
 
-def pool_mask(segments: list[PooledSegment], pool_tokens: int, device: torch.device) -> PoolMask:
-    """The mask of a packed forward whose segments are `segments`, in order, over a pool of
-    `pool_tokens`. Query q sees pool entries [lo, hi), and those of [window, window + width)
-    whose bit is set in its bitmap row."""
+def mask_inputs(segments: list[PooledSegment], spare_index: int, device: torch.device) -> MaskInputs:
+    """The placement of a packed forward whose segments are `segments`, in order; padding queries
+    write to `spare_index`, a pool entry no session holds."""
     tokens = sum(s.length for s in segments)
     queries = padded(tokens)
     splits = _split_visibility(segments)
-    rows = {"lo": [], "hi": [], "window": [], "width": []}
+    rows = {"lo": [], "hi": [], "window": [], "width": [], "write": []}
     for s, split in zip(segments, splits):
         first_new = s.start + s.cached
         rows["lo"] += [s.start] * s.length
         rows["hi"] += [first_new + i + 1 for i in range(s.length)] if split is None else [s.start] * s.length
         rows["window"] += [s.start + (split[1] if split else 0)] * s.length
         rows["width"] += [s.cached + s.length - split[1] if split else 0] * s.length
+        rows["write"] += range(first_new, first_new + s.length)
     pad = queries - tokens
-    lo, hi, window, width = torch.tensor(
-        [rows[k] + [0] * pad for k in ("lo", "hi", "window", "width")], dtype=torch.int64, device=device
-    )  # [queries] each
-    bitmap = torch.zeros(queries, padded(max(rows["width"], default=1)), dtype=torch.bool, device=device)  # [queries, columns]
+    rows["write"] += [spare_index] * pad
+    lo, hi, window, width, write_index = torch.tensor(
+        [rows[k] + [0] * pad for k in ("lo", "hi", "window", "width")] + [rows["write"]], dtype=torch.int64, device=device
+    )  # [Q] each
+    bitmap = torch.zeros(queries, padded(max(rows["width"], default=1)), dtype=torch.bool, device=device)  # [Q, C]
     row = 0
     for s, split in zip(segments, splits):
         if split is not None:
@@ -79,10 +95,13 @@ def pool_mask(segments: list[PooledSegment], pool_tokens: int, device: torch.dev
             hi[row : row + s.length] = lead + s.start  # each row's leading run of visible entries
             bitmap[row : row + s.length, : s.cached + s.length - tail] = s.visible[:, tail:].to(device)  # [L, cached + L - tail]
         row += s.length
-    write_index = torch.tensor(
-        [s.start + s.cached + i for s in segments for i in range(s.length)], dtype=torch.int64, device=device
-    )  # [T]
+    return MaskInputs(lo, hi, window, width, bitmap, write_index, tokens)
 
+
+def block_mask(inputs: MaskInputs, pool_tokens: int) -> BlockMask:
+    """The block mask of `inputs` over a pool of `pool_tokens`, made on the device from its tensors
+    alone (so that a CUDA graph can make it again from the same tensors, refilled)."""
+    lo, hi, window, width, bitmap = inputs.lo, inputs.hi, inputs.window, inputs.width, inputs.bitmap
     columns = bitmap.shape[1]
 
     def mask_mod(b, h, q, k):
@@ -91,10 +110,9 @@ def pool_mask(segments: list[PooledSegment], pool_tokens: int, device: torch.dev
         return ((k >= lo[q]) & (k < hi[q])) | (in_window & bitmap[q, offset.clamp(0, columns - 1)])
 
     kv_num_blocks, kv_indices = _touched_blocks(lo, hi, window, width, pool_tokens)
-    block_mask = BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, BLOCK_SIZE=BLOCK_TOKENS, mask_mod=mask_mod, seq_lengths=(queries, pool_tokens)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, BLOCK_SIZE=BLOCK_TOKENS, mask_mod=mask_mod, seq_lengths=(bitmap.shape[0], pool_tokens)
     )
-    return PoolMask(block_mask, write_index, tokens, columns)
 
 
 def _split_visibility(segments: list[PooledSegment]) -> list[tuple[torch.Tensor, int] | None]:
@@ -131,16 +149,12 @@ def _touched_blocks(lo, hi, window, width, pool_tokens: int) -> tuple[torch.Tens
     return counts[None, None], order[None, None]
 
 
-def pooled_attention(query, keys, values, mask: PoolMask, scaling: float | None) -> torch.Tensor:
-    """query [1, heads, T, head_dim] over the pool's keys and values [1, kv_heads, N, head_dim];
-    returns [1, T, heads, head_dim], as transformers' attention functions do."""
-    queries = mask.block_mask.shape[-2]
-    padded_query = F.pad(query, (0, 0, 0, queries - query.shape[2]))  # [1, heads, queries, head_dim]
+def pooled_attention(query, keys, values, mask: BlockMask, scaling: float | None) -> torch.Tensor:
+    """query [1, heads, Q, head_dim] over the pool's keys and values [1, kv_heads, N, head_dim];
+    returns [1, Q, heads, head_dim], as transformers' attention functions do."""
     attend = _compiled_flex() if query.device.type == "cuda" else _eager_flex
-    output = attend(
-        padded_query, keys, values, block_mask=mask.block_mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
-    )  # [1, heads, queries, head_dim]
-    return output[:, :, : mask.tokens].transpose(1, 2)
+    output = attend(query, keys, values, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])  # [1, heads, Q, head_dim]
+    return output.transpose(1, 2)
 
 
 @functools.cache

@@ -73,8 +73,9 @@ def guarded_step(session, step: Step):
 
 
 def forward_steps(steps: list[Step], packer: Packer | None) -> list[Logits]:
-    """Each step's logits: one packed forward for several, a lone forward for one."""
-    if len(steps) == 1 or packer is None:
+    """Each step's logits: one packed forward for several, a lone forward for one (except over the
+    KV pool, whose forwards of any count replay as CUDA graphs on a GPU)."""
+    if packer is None or (len(steps) == 1 and not packer.pooled):
         return [step.alone() for step in steps]
     logits, forward_ms = packer.forward([step.segment for step in steps])
     return [(row, forward_ms) for row in logits]

@@ -59,6 +59,11 @@ class WorkerConfig:
         "on a GPU, with a budget and no tensor parallelism; on needs a budget, --kv-cache-bytes on a CPU)",
         choices=("auto", "on", "off"),
     )
+    cuda_graphs: bool = setting(
+        True,
+        "on a GPU, with the KV pool: replay each shape of forward over the pool of up to 128 tokens as a CUDA graph, "
+        "captured at its first forward and checked against it (a forward then launches one graph, not each kernel)",
+    )
     session_idle_timeout_s: float = setting(300.0, "drop a session idle this long")
     retired_session_memory_s: float = setting(
         30.0,

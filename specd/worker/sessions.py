@@ -42,8 +42,8 @@ def session_store(config: WorkerConfig, loaded: LoadedModel, shards: int = 1, ad
     pool = None
     if _pools(config.kv_pool, limit, shards, loaded.model):
         pool = KVPool.for_model(loaded.model, limit // per_token, shards)
-        log.info("KV pool of %d tokens on %s: a batch attends over it in one call per layer", pool.tokens, pool.device)
-        loaded = dataclasses.replace(loaded, context_length=min(loaded.context_length, pool.tokens))
+        log.info("KV pool of %d tokens on %s: a batch attends over it in one call per layer", pool.room, pool.device)
+        loaded = dataclasses.replace(loaded, context_length=min(loaded.context_length, pool.room))
     budget = KVBudget(bytes_per_token=per_token, budget_bytes=limit, max_tokens=loaded.context_length)
     return SessionStore(config.max_sessions, config.session_idle_timeout_s, budget, pool), loaded
 

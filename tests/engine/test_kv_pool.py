@@ -35,8 +35,9 @@ def _pool(model, tokens: int = 16 * BLOCK_TOKENS) -> KVPool:
 
 
 def test_ranges_are_whole_blocks_first_fit_and_merge_when_returned(model):
-    pool = _pool(model, 4 * BLOCK_TOKENS + 5)
-    assert pool.tokens == 4 * BLOCK_TOKENS and pool.keys[0].shape == (1, 2, 4 * BLOCK_TOKENS, 16)
+    pool = _pool(model, 5 * BLOCK_TOKENS + 5)
+    assert pool.keys[0].shape == (1, 2, 5 * BLOCK_TOKENS, 16)
+    assert pool.room == 4 * BLOCK_TOKENS and pool.spare_index == 5 * BLOCK_TOKENS - 1  # the last block is no session's
     a, b, c = pool.allocate(1), pool.allocate(BLOCK_TOKENS + 1), pool.allocate(BLOCK_TOKENS)
     assert [(r.start, r.capacity) for r in (a, b, c)] == [(0, 128), (128, 256), (384, 128)]
     assert pool.used_tokens() == 4 * BLOCK_TOKENS
@@ -53,7 +54,7 @@ def test_ranges_are_whole_blocks_first_fit_and_merge_when_returned(model):
 
 def test_a_range_stays_taken_while_anything_holds_its_cache(model):
     """A job under way holds its session's cache after EndSession: its range is not handed out."""
-    pool = _pool(model, 2 * BLOCK_TOKENS)
+    pool = _pool(model, 3 * BLOCK_TOKENS)
     store = SessionStore(4, 60.0, pool=pool)
     held = store.open("ended", 0, 2 * BLOCK_TOKENS).cache
     store.end("ended")
@@ -167,7 +168,7 @@ def test_a_pool_mask_lists_every_block_its_queries_see_and_no_other_session_s():
     only blocks within the ranges of the sessions it holds queries of."""
     from torch.nn.attention.flex_attention import create_mask
 
-    from specd.engine.pool_attention import PooledSegment, pool_mask
+    from specd.engine.pool_attention import PooledSegment, block_mask, mask_inputs
 
     tree = torch.zeros(2, 102, dtype=torch.bool)  # two branches after a prefix of 100
     tree[0, :100] = tree[1, :98] = True
@@ -178,13 +179,15 @@ def test_a_pool_mask_lists_every_block_its_queries_see_and_no_other_session_s():
         (PooledSegment(1024, 0, 130), (1024, 1280)),
     ]
     pool_tokens = 12 * BLOCK_TOKENS
-    mask = pool_mask([s for s, _ in segments], pool_tokens, torch.device("cpu"))
-    queries = mask.block_mask.shape[-2]
-    assert queries == 256 and mask.tokens == 135
-    assert mask.bitmap_columns == 16  # the branches' two columns, not the prefix's hundred
-    assert mask.write_index.tolist() == [150, 151, 152, 484, 485, *range(1024, 1154)]
-    visible = create_mask(mask.block_mask.mask_mod, 1, 1, queries, pool_tokens, "cpu")[0, 0]  # [256, N]
-    listed = mask.block_mask.to_dense()[0, 0].bool()  # [QB, NB]
+    inputs = mask_inputs([s for s, _ in segments], pool_tokens - 1, torch.device("cpu"))
+    mask = block_mask(inputs, pool_tokens)
+    queries = mask.shape[-2]
+    assert queries == 256 and inputs.tokens == 135
+    assert inputs.shape == (256, 16)  # the branches' two columns, not the prefix's hundred
+    assert inputs.write_index.tolist() == [150, 151, 152, 484, 485, *range(1024, 1154)] + [pool_tokens - 1] * 121
+    visible = create_mask(mask.mask_mod, 1, 1, queries, pool_tokens, "cpu")[0, 0]  # [256, N]
+    assert not visible[135:].any()  # padding queries see nothing
+    listed = mask.to_dense()[0, 0].bool()  # [QB, NB]
     listed = listed.repeat_interleave(BLOCK_TOKENS, 0).repeat_interleave(BLOCK_TOKENS, 1)  # [256, N]
     assert not (visible & ~listed).any()
     owner = torch.tensor([i for i, (s, _) in enumerate(segments) for _ in range(s.length)] + [-1] * (queries - 135))
