@@ -216,6 +216,8 @@ def enable_packing(model, pool: KVPool | None = None, graphs: bool = False) -> P
         agrees = _agrees(model, packer, GrowingKVCache)
         if agrees and pool is not None:
             packer.pooled = _pooled_agrees(model, packer)
+        if packer.pooled and packer.over_pool.graphs:
+            _capture_steady_shapes(packer)
     if not agrees:
         log.warning("packed forwards do not fit %s here; its sessions forward one at a time", type(model).__name__)
         return None
@@ -235,6 +237,14 @@ def packing_fast_paths(packer: Packer | None, pool: KVPool | None) -> tuple[str,
         ("cuda_graphs", pooled and packer.over_pool.graphs),
     )
     return tuple(name for name, on in taken if on)
+
+
+def _capture_steady_shapes(packer: Packer) -> None:
+    """Forwards of 64 and 128 queries (the probe's were 16 and 32), so that serving does not wait
+    for their kernels to compile and their graphs to be captured."""
+    for tokens in (40, 100):
+        cache = PooledKVCache(packer.pool.allocate(tokens))
+        packer.forward([Segment(cache, [0] * tokens, 1)])
 
 
 def _pooled_agrees(model, packer: Packer) -> bool:
