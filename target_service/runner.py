@@ -26,6 +26,7 @@ from specd.core.verify import VerifyResult, greedy_verify, rejection_sample
 from specd.engine.batcher import AGAIN, Again
 from specd.engine.forward import forward_logits
 from specd.engine.host_copy import to_host
+from specd.engine.kv_pool import make_room
 from specd.engine.loading import LoadedModel
 from specd.engine.packed_forward import Segment, enable_packing, graphs_fit, packing_fast_paths
 from specd.engine.session_cache import Session, SessionStore
@@ -192,8 +193,11 @@ class TargetModelRunner:
         session = self.sessions.open(call.session_id, call.start, call.reserve_tokens)
         committed, feed = session.sync(call.start, call.tokens)
         if isinstance(call, PrefillCall):
-            return _Synced(call, session, feed[:-1], 1, len(committed))
-        return _Synced(call, session, feed + call.draft_tokens, call.num_draft + 1, len(committed))
+            synced = _Synced(call, session, feed[:-1], 1, len(committed))
+        else:
+            synced = _Synced(call, session, feed + call.draft_tokens, call.num_draft + 1, len(committed))
+        make_room(session.cache, len(synced.feed))  # before a shared forward: a call without room fails alone
+        return synced
 
     def _forward(self, batch: list[_Synced]) -> tuple[list[torch.Tensor], float]:
         """Each call's last `num_logits` logits ([num_logits, V] each) and the forward's ms."""

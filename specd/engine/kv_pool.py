@@ -3,7 +3,7 @@
 A worker with a KV budget can hold its sessions' caches in one tensor per layer instead of one
 per session. Then a packed forward attends over all its sessions in one call per layer
 (specd/engine/pool_attention.py) instead of one per session, writes every session's new entries
-with one copy, and no cache allocates or copies memory to grow. A session takes a contiguous
+with one copy, and a cache allocates nothing to grow within its room. A session takes a contiguous
 range of the pool: the room it reserves, rounded up to whole blocks of BLOCK_TOKENS, so that a
 block holds one session's entries and a forward's block mask skips the blocks of every other.
 
@@ -15,6 +15,7 @@ from the store, and a range handed to a new session must not be written by the o
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 import weakref
 
@@ -49,6 +50,9 @@ class KVPool:
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, blocks - 1)]  # (first block, blocks), sorted by first block
         self._used_blocks = 0
+        # Ranges whose caches became garbage, returned at the next allocation or count. A finalizer
+        # only appends here: a collection may start while this thread holds the lock.
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()  # (start, tokens)
 
     @classmethod
     def for_model(cls, model, tokens: int, shards: int = 1) -> "KVPool":
@@ -67,12 +71,14 @@ class KVPool:
     def used_tokens(self) -> int:
         """Tokens of room taken by ranges that something still holds."""
         with self._lock:
+            self._take_returned()
             return self._used_blocks * BLOCK_TOKENS
 
     def allocate(self, tokens: int) -> "KVRegion":
         """A range of room for `tokens` (the first that fits); TooManySessions when none does."""
         blocks = max(1, -(-tokens // BLOCK_TOKENS))
         with self._lock:
+            self._take_returned()
             for i, (first, free) in enumerate(self._free):
                 if free >= blocks:
                     self._free[i : i + 1] = [(first + blocks, free - blocks)] if free > blocks else []
@@ -85,9 +91,15 @@ class KVPool:
         )
 
     def _release(self, start: int, tokens: int) -> None:
-        """Return a range; neighbouring free ranges merge."""
-        first, blocks = start // BLOCK_TOKENS, tokens // BLOCK_TOKENS
-        with self._lock:
+        """A range's cache is garbage (its region's finalizer, on any thread, maybe inside the lock)."""
+        self._returned.append((start, tokens))
+
+    def _take_returned(self) -> None:
+        """Put the returned ranges back among the free ones, merging neighbours (the lock held)."""
+        while self._returned:
+            start, tokens = self._returned.popleft()
+            first, blocks = start // BLOCK_TOKENS, tokens // BLOCK_TOKENS
+            self._used_blocks -= blocks
             i = bisect.bisect(self._free, (first, blocks))
             self._free.insert(i, (first, blocks))
             if i + 1 < len(self._free) and first + blocks == self._free[i + 1][0]:
@@ -96,7 +108,6 @@ class KVPool:
             if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == first:
                 before = self._free.pop(i - 1)
                 self._free[i - 1] = (before[0], before[1] + blocks)
-            self._used_blocks -= tokens // BLOCK_TOKENS
 
 
 class KVRegion:
@@ -122,8 +133,13 @@ class _Placement:
         self.layers: list[weakref.ref] = []  # to PooledLayers
 
     def grow(self, needed: int) -> None:
-        """Move every layer to a range with room for twice `needed` tokens, keeping what they cache."""
-        moved = self.region.pool.allocate(2 * needed)
+        """Move every layer to a range with room for twice `needed` tokens, or `needed` where the
+        pool has no more in one range, keeping what they cache."""
+        pool = self.region.pool
+        try:
+            moved = pool.allocate(2 * needed)
+        except TooManySessions:
+            moved = pool.allocate(needed)
         old, self.region = self.region, moved
         for ref in self.layers:
             layer = ref()
@@ -200,3 +216,10 @@ class PooledKVCache(DynamicCache):
         """Room for `tokens` in all, moving every layer first if the range holds fewer."""
         if tokens > self.placement.region.capacity:
             self.placement.grow(tokens)
+
+
+def make_room(cache, new_tokens: int) -> None:
+    """Room in a pooled cache for `new_tokens` more, moving it if need be (TooManySessions: the pool
+    has none), before the forward it shares with others; other caches grow as they write."""
+    if isinstance(cache, PooledKVCache):
+        cache.ensure_room(cache.get_seq_length() + new_tokens)

@@ -13,8 +13,9 @@ only at near-ties, the rule everywhere in specd).
 
 Attention reaches the packed batch through transformers' attention interface: for the length
 of a packed forward the model's config names the attention registered as "specd_packed", which
-runs the model's own (sdpa or eager) once per session; a model's forwards all run on its one
-model thread, so no other forward sees the switch, and plain forwards are untouched. A probe checks, before packing is
+runs the model's own (sdpa or eager) once per session, or, where every session's cache is in the
+worker's KV pool, one call over the pool (specd/engine/pooled_forward.py); a model's forwards all
+run on its one model thread, so no other forward sees the switch, and plain forwards are untouched. A probe checks, before packing is
 used, that a packed forward of three sessions gives their lone forwards' logits; a model it
 does not fit (another layout, a recurrent or sliding-window layer) forwards one session at a
 time, as before.
@@ -38,7 +39,7 @@ from specd.engine.forward import elapsed_ms
 from specd.engine.kv_cache import GrowingKVCache, croppable
 from specd.engine.kv_pool import KVPool, PooledKVCache
 from specd.engine.llama_layers import decoder_layers, run_layers
-from specd.engine.pool_attention import PooledSegment, mask_inputs
+from specd.engine.pool_attention import MOST_QUERIES, PooledSegment, mask_inputs, padded
 from specd.engine.pooled_forward import ForwardInputs, PooledForward
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class Packer:
         config = self.model.config
         config._attn_implementation_internal = _PACKED
         try:
-            if self.pooled and all(isinstance(s.cache, PooledKVCache) and s.cache.region.pool is self.pool for s in segments):
+            if self._fits_pool(segments):
                 return self._forward_over_pool(segments)
             return self._forward(segments)
         finally:
@@ -153,6 +154,12 @@ class Packer:
         hidden = self._inner.norm(hidden[:, rows])  # [1, sum of num_logits, H]
         logits = self.model.lm_head(hidden)[0].float()  # [sum of num_logits, V], on the model's device
         return list(logits.split([s.num_logits for s in segments])), elapsed_ms(started, device)
+
+    def _fits_pool(self, segments: list[Segment]) -> bool:
+        """Whether the forward attends over the pool: every cache in it, and not too many queries."""
+        if not self.pooled or padded(sum(len(s.tokens) for s in segments)) > MOST_QUERIES:
+            return False
+        return all(isinstance(s.cache, PooledKVCache) and s.cache.region.pool is self.pool for s in segments)
 
     @torch.inference_mode()
     def _forward_over_pool(self, segments: list[Segment]) -> tuple[list[torch.Tensor], float]:

@@ -26,6 +26,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from specd.engine.kv_pool import BLOCK_TOKENS
 
 _MOST_KERNELS = 64
+# Past this many (a long prompt's catch-up), a forward attends per session: the compiled kernels
+# stay few and the [queries, pool blocks] temporaries of its block mask small.
+MOST_QUERIES = 4096
 
 
 @dataclasses.dataclass(frozen=True)

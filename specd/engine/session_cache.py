@@ -92,12 +92,20 @@ class Session:
         self.cached_tokens.extend(tokens)
 
 
+_COLLECT_EVERY_S = 1.0
+_last_collect = [0.0]  # when a refusal last collected garbage
+
+
 def _allocate(pool: KVPool, tokens: int) -> KVRegion:
     """A range of `pool` for `tokens`; before refusing, once more after collecting garbage (a
-    finished session's range returns when its cache is freed, which a reference cycle can delay)."""
+    finished session's range returns when its cache is freed, which a reference cycle can delay),
+    at most once a second: a full pool refuses often."""
     try:
         return pool.allocate(tokens)
     except TooManySessions:
+        if time.monotonic() - _last_collect[0] < _COLLECT_EVERY_S:
+            raise
+        _last_collect[0] = time.monotonic()
         gc.collect()
         return pool.allocate(tokens)
 

@@ -24,6 +24,8 @@ from typing import Callable, Generator, Hashable
 
 import torch
 
+from specd.core.errors import TooManySessions
+from specd.engine.kv_pool import make_room
 from specd.engine.packed_forward import Packer, Segment
 from specd.engine.turns import Pending, Turns
 
@@ -165,7 +167,7 @@ class StepBatcher:
 
     def _advance(self, active: list[_Active]) -> tuple[list[Hashable], float | None]:
         """One forward of every job's next step; the sessions it served and its seconds."""
-        ready = [entry for entry in active if entry.step is not None]
+        ready = [entry for entry in active if entry.step is not None and self._has_room(entry)]
         if not ready:
             return [], None
         started = time.perf_counter()
@@ -181,6 +183,17 @@ class StepBatcher:
         for entry, logits in zip(ready, results):
             self._resume(entry, logits)
         return [entry.session for entry in ready], forward_s
+
+    def _has_room(self, entry: _Active) -> bool:
+        """Whether the job's cache has room for its step (a pooled cache moves first if need be);
+        a job whose cache cannot get it fails alone, not every job of the forward."""
+        segment = entry.step.segment
+        try:
+            make_room(segment.cache, len(segment.tokens))
+        except TooManySessions as exc:
+            self._fail(entry, exc)
+            return False
+        return True
 
     def _resume(self, entry: _Active, logits: Logits | None) -> None:
         """Give a job its step's logits (None: start it); keep its next step or settle it."""

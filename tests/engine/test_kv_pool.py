@@ -200,3 +200,62 @@ def test_a_pool_mask_lists_every_block_its_queries_see_and_no_other_session_s():
     assert visible[0, :151].all() and not visible[0, 151:].any()  # causal in its own range
     assert visible[3, 384:485].all() and not visible[3, 485:].any() and not visible[3, :384].any()  # its branch only
     assert visible[4, 384:482].all() and not visible[4, 482:485].any() and visible[4, 485] and not visible[4, 486:].any()
+
+
+def test_kv_pool_is_on_where_asked_and_fits_and_auto_keeps_a_cpu_without_one(model):
+    import dataclasses
+
+    from specd.core.config import ConfigError
+    from specd.core.sampling import SamplingSettings
+    from specd.engine.kv_budget import kv_bytes_per_token
+    from specd.engine.loading import LoadedModel
+    from specd.worker.config import WorkerConfig
+    from specd.worker.sessions import session_store
+
+    per_token = kv_bytes_per_token(model)
+    loaded = LoadedModel("m", model, None, 384, 2048, (), SamplingSettings(), "", "float32", "cpu")
+    config = WorkerConfig(model="m", kv_cache_bytes=1000 * per_token)
+    assert session_store(config, loaded)[0].pool is None  # auto: a CPU keeps attention per session
+    store, served = session_store(dataclasses.replace(config, kv_pool="on"), loaded)
+    assert store.pool.room == 6 * BLOCK_TOKENS and served.context_length == 6 * BLOCK_TOKENS  # 1000 tokens: 7 blocks, 1 spare
+    assert session_store(dataclasses.replace(config, kv_pool="off"), loaded)[0].pool is None
+    refusals = {
+        "--kv-cache-bytes": dataclasses.replace(config, kv_pool="on", kv_cache_bytes=0),
+        "at least 256": dataclasses.replace(config, kv_pool="on", kv_cache_bytes=200 * per_token),
+    }
+    for message, refused in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            session_store(refused, loaded)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        session_store(dataclasses.replace(config, kv_pool="on"), loaded, shards=2)
+
+
+def test_a_range_returned_while_its_pool_is_locked_does_not_wait_for_the_lock(model):
+    """A collection may start, and free a cache, on a thread that holds the pool's lock (inside
+    allocate): the range comes back at the next allocation instead of deadlocking that thread."""
+    import threading
+
+    pool = _pool(model, 3 * BLOCK_TOKENS)
+    region = [pool.allocate(2 * BLOCK_TOKENS)]
+
+    def free_inside_the_lock():
+        with pool._lock:
+            region.clear()  # the region's finalizer runs here
+
+    thread = threading.Thread(target=free_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert pool.allocate(2 * BLOCK_TOKENS).start == 0
+
+
+def test_a_cache_that_outgrows_its_range_takes_what_fits_when_twice_does_not(model):
+    from specd.engine.kv_pool import make_room
+
+    pool = _pool(model, 5 * BLOCK_TOKENS)  # room for 4 blocks
+    cache = PooledKVCache(pool.allocate(1))
+    make_room(cache, 299)  # twice is 5 blocks; the 3 free after its own take 299
+    assert (cache.region.start, cache.capacity_tokens()) == (BLOCK_TOKENS, 3 * BLOCK_TOKENS)
+    with pytest.raises(TooManySessions):
+        make_room(cache, 3 * BLOCK_TOKENS + 1)
+    make_room(GrowingKVCache(), 10**6)  # a cache of its own grows as it writes
