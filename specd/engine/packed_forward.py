@@ -40,7 +40,7 @@ from specd.engine.kv_cache import GrowingKVCache, croppable
 from specd.engine.kv_pool import KVPool, PooledKVCache
 from specd.engine.llama_layers import decoder_layers, run_layers
 from specd.engine.pool_attention import MOST_QUERIES, PooledSegment, mask_inputs, padded
-from specd.engine.pooled_forward import ForwardInputs, PooledForward
+from specd.engine.pooled_forward import GRAPH_QUERIES, ForwardInputs, PooledForward
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +223,8 @@ def enable_packing(model, pool: KVPool | None = None, graphs: bool = False) -> P
         agrees = _agrees(model, packer, GrowingKVCache)
         if agrees and pool is not None:
             packer.pooled = _pooled_agrees(model, packer)
-        if packer.pooled and packer.over_pool.graphs:
-            _capture_steady_shapes(packer)
+        if packer.pooled and model.device.type == "cuda":
+            _compile_steady_shapes(packer)
     if not agrees:
         log.warning("packed forwards do not fit %s here; its sessions forward one at a time", type(model).__name__)
         return None
@@ -246,12 +246,17 @@ def packing_fast_paths(packer: Packer | None, pool: KVPool | None) -> tuple[str,
     return tuple(name for name, on in taken if on)
 
 
-def _capture_steady_shapes(packer: Packer) -> None:
-    """Forwards of 64 and 128 queries (the probe's were 16 and 32), so that serving does not wait
-    for their kernels to compile and their graphs to be captured."""
-    for tokens in (40, 100):
-        cache = PooledKVCache(packer.pool.allocate(tokens))
-        packer.forward([Segment(cache, [0] * tokens, 1)])
+def _compile_steady_shapes(packer: Packer) -> None:
+    """Forwards over the pool of every padded query count up to MOST_QUERIES that the pool has room
+    for, so that serving does not wait for their kernels to compile; each of up to GRAPH_QUERIES
+    twice, so that its graph is captured and its first replay with new inputs checked."""
+    queries = 16
+    while queries <= min(MOST_QUERIES, packer.pool.room // 2):
+        tokens = queries * 3 // 4 + 1  # pads to `queries`
+        for feed in range(2 if queries <= GRAPH_QUERIES else 1):
+            cache = PooledKVCache(packer.pool.allocate(tokens))
+            packer.forward([Segment(cache, [feed] * tokens, 1)])
+        queries *= 2
 
 
 def _pooled_agrees(model, packer: Packer) -> bool:

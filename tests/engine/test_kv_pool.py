@@ -259,3 +259,17 @@ def test_a_cache_that_outgrows_its_range_takes_what_fits_when_twice_does_not(mod
     with pytest.raises(TooManySessions):
         make_room(cache, 3 * BLOCK_TOKENS + 1)
     make_room(GrowingKVCache(), 10**6)  # a cache of its own grows as it writes
+
+
+def test_the_load_time_warm_up_forwards_every_padded_shape_the_pool_has_room_for(model):
+    """On a GPU this compiles each shape's kernels and captures its graph at load; here it runs the
+    same forwards eagerly, and their ranges all come back."""
+    from specd.engine.packed_forward import _compile_steady_shapes
+
+    pool = _pool(model, 5 * BLOCK_TOKENS)  # room for 512: shapes of 16 to 256 queries
+    packer = enable_packing(model, pool)
+    shapes = []
+    packer.over_pool.run_model = lambda ids, *rest, run=packer.over_pool.run_model: shapes.append(ids.shape[1]) or run(ids, *rest)
+    _compile_steady_shapes(packer)
+    assert shapes == [16, 16, 32, 32, 64, 64, 128, 128, 256]
+    assert pool.used_tokens() == 0
