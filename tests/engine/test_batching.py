@@ -199,7 +199,9 @@ def test_draft_jobs_of_different_sessions_share_forwards_and_draft_as_alone(draf
     for got, want in zip(together[:2], alone[:2]):
         assert got.draft_tokens == want.draft_tokens
         for g, w in zip(got.draft_dists, want.draft_dists):
-            assert g.token_ids == w.token_ids and g.probs == pytest.approx(w.probs, abs=1e-4)
+            # The same q, token by token: a packed forward rounds otherwise than a lone one, so two
+            # tokens of equal probability to rounding may come in either order (on one thread they do).
+            assert dict(zip(g.token_ids, g.probs)) == pytest.approx(dict(zip(w.token_ids, w.probs)), abs=1e-4)
     tree, tree_alone = together[2], alone[2]
     assert [(b.accepted, b.next_token, b.draft_tokens) for b in tree.branches] == [
         (b.accepted, b.next_token, b.draft_tokens) for b in tree_alone.branches
