@@ -72,6 +72,10 @@ class TargetLink:
         """The deadline of a logical call starting now (time.monotonic())."""
         return time.monotonic() + self.timeout_s
 
+    async def connected(self) -> None:
+        """Wait until the channel to the target is connected (a reconnect, after a backoff, included)."""
+        await self._channel.channel_ready()
+
     async def info(self, timeout_s: float | None = None) -> target_pb2.TargetInfo:
         return await self._stub.Info(target_pb2.TargetInfoRequest(), metadata=self._metadata(), timeout=timeout_s or self.timeout_s)
 

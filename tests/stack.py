@@ -120,8 +120,11 @@ class ServiceStack:
         self.run(self.target.stop(0))
 
     def restart_target(self) -> None:
-        """A fresh target worker on the same port: every session it held is gone."""
+        """A fresh target worker on the same port: every session it held is gone. Returns once the
+        coordinator's channel to it is connected again: a channel that failed to connect while the
+        target was down waits out a reconnect backoff, and a call in it fails UNAVAILABLE."""
         self.target = self.run(self._start_target(port=self.target.port))
+        self.run(asyncio.wait_for(self.coordinator.servicer.target.connected(), CHANNEL_READY_S))
 
     def close(self) -> None:
         for service in (*self.more_coordinators, self.coordinator, self.draft, self.target):
@@ -145,6 +148,7 @@ def wait_for(condition, timeout_s: float, every_s: float = 0.02) -> bool:
 
 
 GATE_TIMEOUT_S = 60.0  # a held call goes on by itself after this: a failing test never hangs
+CHANNEL_READY_S = 30.0  # a restarted target the coordinator cannot reach fails the test instead
 
 
 class RunnerGate:
