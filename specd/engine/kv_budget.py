@@ -46,16 +46,21 @@ class KVBudget:
             )
 
 
-def kv_bytes_per_token(model: torch.nn.Module, shards: int = 1) -> int:
-    """Bytes of keys and values one token takes in every layer of `model`'s cache; `shards`: the
+def kv_layout(model: torch.nn.Module, shards: int = 1) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of `model`'s cache on one rank; `shards`: the
     tensor-parallel ranks its key/value heads are split across (each rank holds its share)."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    local_kv_heads = -(-kv_heads // shards)  # a rank holds at most this many
+    return config.num_hidden_layers, -(-kv_heads // shards), head_dim  # a rank holds at most that many heads
+
+
+def kv_bytes_per_token(model: torch.nn.Module, shards: int = 1) -> int:
+    """Bytes of keys and values one token takes in every layer of `model`'s cache on one rank."""
+    layers, kv_heads, head_dim = kv_layout(model, shards)
     element = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * config.num_hidden_layers * local_kv_heads * head_dim * element
+    return 2 * layers * kv_heads * head_dim * element
 
 
 def budget_bytes(setting: int, device: torch.device | str, memory_fraction: float = 0.9) -> int:

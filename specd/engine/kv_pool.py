@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from specd.core.errors import TooManySessions
+from specd.engine.kv_budget import kv_layout
 from specd.engine.kv_cache import GrowingLayer
 
 BLOCK_TOKENS = 128  # FlexAttention's default block: a range starts and ends on one
@@ -58,11 +59,7 @@ class KVPool:
     def for_model(cls, model, tokens: int, shards: int = 1) -> "KVPool":
         """A pool of `tokens` for `model`'s layers, in its dtype on its device (a rank's share of the
         key/value heads under tensor parallelism)."""
-        config = model.config.get_text_config()
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, -(-kv_heads // shards), head_dim, tokens, model.dtype, model.device)
+        return cls(*kv_layout(model, shards), tokens, model.dtype, model.device)
 
     @property
     def device(self) -> torch.device:

@@ -148,11 +148,7 @@ class Packer:
         started = time.perf_counter()
         ids = torch.tensor([[t for s in segments for t in s.tokens]], dtype=torch.long, device=device)  # [1, T]
         positions = torch.tensor([[p for s in segments for p in _positions(s)]], device=device)  # [1, T]
-        hidden = self._inner.embed_tokens(ids)  # [1, T, H]
-        hidden = run_layers(self.model, self._layers, hidden, positions, batch, **{_PACKED: batch})  # [1, T, H]
-        rows = torch.tensor([i for (_, b), s in zip(batch.bounds, segments) for i in range(b - s.num_logits, b)], device=device)
-        hidden = self._inner.norm(hidden[:, rows])  # [1, sum of num_logits, H]
-        logits = self.model.lm_head(hidden)[0].float()  # [sum of num_logits, V], on the model's device
+        logits = self._logits(ids, positions, batch, _logit_rows(segments, device))  # [sum of num_logits, V]
         return list(logits.split([s.num_logits for s in segments])), elapsed_ms(started, device)
 
     def _fits_pool(self, segments: list[Segment]) -> bool:
@@ -171,9 +167,7 @@ class Packer:
         pad = mask.shape[0] - mask.tokens
         ids = torch.tensor([[t for s in segments for t in s.tokens] + [0] * pad], dtype=torch.long, device=device)  # [1, Q]
         positions = torch.tensor([[p for s in segments for p in _positions(s)] + [0] * pad], device=device)  # [1, Q]
-        ends = list(itertools.accumulate(len(s.tokens) for s in segments))
-        rows = torch.tensor([i for b, s in zip(ends, segments) for i in range(b - s.num_logits, b)], device=device)
-        logits = self.over_pool.logits(ForwardInputs(ids, positions, mask), rows)  # [sum of num_logits, V]
+        logits = self.over_pool.logits(ForwardInputs(ids, positions, mask), _logit_rows(segments, device))  # [sum of num_logits, V]
         for s in segments:
             for layer in s.cache.layers:
                 layer.advance(len(s.tokens))
@@ -187,6 +181,12 @@ class Packer:
         if rows is not None:
             hidden = hidden[:, rows]  # [1, R, H]
         return self.model.lm_head(self._inner.norm(hidden))[0].float()  # [R, V]
+
+
+def _logit_rows(segments: list[Segment], device) -> torch.Tensor:
+    """[sum of num_logits]: the packed rows whose logits the segments want, each its last ones."""
+    ends = itertools.accumulate(len(s.tokens) for s in segments)
+    return torch.tensor([i for end, s in zip(ends, segments) for i in range(end - s.num_logits, end)], device=device)
 
 
 def _pooled_segments(segments: list[Segment]) -> list[PooledSegment]:
