@@ -72,20 +72,52 @@ class KVPool:
             return self._used_blocks * BLOCK_TOKENS
 
     def allocate(self, tokens: int) -> "KVRegion":
-        """A range of room for `tokens` (the first that fits); TooManySessions when none does."""
-        blocks = max(1, -(-tokens // BLOCK_TOKENS))
+        """A range of room for `tokens` (the first that fits), cleared; TooManySessions when none does."""
+        blocks = _blocks(tokens)
         with self._lock:
             self._take_returned()
             for i, (first, free) in enumerate(self._free):
                 if free >= blocks:
                     self._free[i : i + 1] = [(first + blocks, free - blocks)] if free > blocks else []
                     self._used_blocks += blocks
-                    return KVRegion(self, first * BLOCK_TOKENS, blocks * BLOCK_TOKENS)
-            largest = max((free for _, free in self._free), default=0)
-        raise TooManySessions(
-            f"this worker's KV pool of {self.room} tokens ({self.room * self.bytes_per_token / _MIB:.0f} MiB) has no free range "
-            f"of {blocks * BLOCK_TOKENS} tokens (the largest is {largest * BLOCK_TOKENS}); retry later"
-        )
+                    region = KVRegion(self, first * BLOCK_TOKENS, blocks * BLOCK_TOKENS)
+                    break
+            else:
+                largest = max((free for _, free in self._free), default=0)
+                raise TooManySessions(
+                    f"this worker's KV pool of {self.room} tokens ({self.room * self.bytes_per_token / _MIB:.0f} MiB) has no free "
+                    f"range of {blocks * BLOCK_TOKENS} tokens (the largest is {largest * BLOCK_TOKENS}); retry later"
+                )
+        self._clear(region.start, region.end)
+        return region
+
+    def extend(self, region: "KVRegion", tokens: int) -> "KVRegion | None":
+        """`region` grown in place to room for `tokens`, the blocks after it taken and cleared, when
+        they are free; else None. The returned region stands for both: `region` no longer returns."""
+        blocks = _blocks(tokens) - region.capacity // BLOCK_TOKENS
+        if blocks <= 0:
+            return region
+        after = region.end // BLOCK_TOKENS
+        with self._lock:
+            self._take_returned()
+            i = bisect.bisect_left(self._free, (after, 0))
+            if i == len(self._free) or self._free[i][0] != after or self._free[i][1] < blocks:
+                return None
+            free = self._free[i][1]
+            self._free[i : i + 1] = [(after + blocks, free - blocks)] if free > blocks else []
+            self._used_blocks += blocks
+            region.stop_returning()
+            grown = KVRegion(self, region.start, region.capacity + blocks * BLOCK_TOKENS)
+        self._clear(region.end, grown.end)
+        return grown
+
+    def _clear(self, start: int, end: int) -> None:
+        """Zeros in tokens [start, end) of every layer: attention reads a session's blocks whole and
+        masks afterwards, and a value a previous session left there would survive a zero weight if
+        it were not finite."""
+        for keys, values in zip(self.keys, self.values):
+            keys[..., start:end, :].zero_()  # [1, kv, end - start, d]: a view of the pool
+            values[..., start:end, :].zero_()
 
     def _release(self, start: int, tokens: int) -> None:
         """A range's cache is garbage (its region's finalizer, on any thread, maybe inside the lock)."""
@@ -113,7 +145,11 @@ class KVRegion:
 
     def __init__(self, pool: KVPool, start: int, capacity: int):
         self.pool, self.start, self.capacity = pool, start, capacity
-        weakref.finalize(self, pool._release, start, capacity)
+        self._returns = weakref.finalize(self, pool._release, start, capacity)
+
+    def stop_returning(self) -> None:
+        """A larger region over the same start stands for this one (KVPool.extend)."""
+        self._returns.detach()
 
     @property
     def end(self) -> int:
@@ -130,14 +166,17 @@ class _Placement:
         self.layers: list[weakref.ref] = []  # to PooledLayers
 
     def grow(self, needed: int) -> None:
-        """Move every layer to a range with room for twice `needed` tokens, or `needed` where the
-        pool has no more in one range, keeping what they cache."""
+        """Room for twice `needed` tokens, or `needed` where the pool has no more: in place when the
+        blocks after the range are free (nothing moves), else every layer moved to a new range,
+        keeping what it caches."""
         pool = self.region.pool
-        try:
-            moved = pool.allocate(2 * needed)
-        except TooManySessions:
-            moved = pool.allocate(needed)
-        old, self.region = self.region, moved
+        grown = pool.extend(self.region, 2 * needed) or pool.extend(self.region, needed)
+        if grown is None:
+            try:
+                grown = pool.allocate(2 * needed)
+            except TooManySessions:
+                grown = pool.allocate(needed)
+        old, self.region = self.region, grown
         for ref in self.layers:
             layer = ref()
             if layer is not None:
@@ -165,8 +204,12 @@ class PooledLayer(GrowingLayer):
         self._fill_to(self.length)
 
     def rebind(self, old: KVRegion) -> None:
-        """Copy what this layer caches from `old` into its placement's region, and use that."""
+        """Copy what this layer caches from `old` into its placement's region, and use that (a
+        region grown in place holds it already)."""
         if self.key_buffer is None:
+            return
+        if self.placement.region.start == old.start:
+            self._bind(self.placement.region)
             return
         kept_keys, kept_values = self.key_buffer[..., : self.length, :], self.value_buffer[..., : self.length, :]
         self._bind(self.placement.region)
@@ -213,6 +256,11 @@ class PooledKVCache(DynamicCache):
         """Room for `tokens` in all, moving every layer first if the range holds fewer."""
         if tokens > self.placement.region.capacity:
             self.placement.grow(tokens)
+
+
+def _blocks(tokens: int) -> int:
+    """Whole blocks holding `tokens` (at least one)."""
+    return max(1, -(-tokens // BLOCK_TOKENS))
 
 
 def make_room(cache, new_tokens: int) -> None:

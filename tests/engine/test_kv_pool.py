@@ -69,37 +69,47 @@ def test_a_session_that_outgrew_its_range_keeps_only_the_new_one_and_resets_into
     pool = _pool(model)
     store = SessionStore(4, 60.0, pool=pool)
     session = store.open("s", 0, BLOCK_TOKENS)
+    blocker = pool.allocate(BLOCK_TOKENS)  # right after the session's range: it cannot grow in place
     _lone(model, session.cache, list(range(1, 200)))  # past its first range: the cache moves
     moved = session.cache.region
-    assert pool.used_tokens() == moved.capacity == 4 * BLOCK_TOKENS  # the first range went back
+    assert moved.start == 2 * BLOCK_TOKENS
+    assert pool.used_tokens() == moved.capacity + BLOCK_TOKENS == 5 * BLOCK_TOKENS  # the first range went back
     session.reset()  # a forward failed part-way
     assert session.cache.region is moved and session.cache.get_seq_length() == 0
+    del blocker
     assert store.held_bytes() == moved.capacity * pool.bytes_per_token
 
 
-def test_a_pooled_cache_forwards_bitwise_as_a_growing_one_through_rollbacks_and_a_move(model):
+def test_a_pooled_cache_forwards_bitwise_as_a_growing_one_through_rollbacks_a_move_and_growth_in_place(model):
     pool = _pool(model)
-    blocker = pool.allocate(BLOCK_TOKENS)  # the cache's range is not the pool's first
+    first = pool.allocate(BLOCK_TOKENS)  # the cache's range is not the pool's first
     growing, pooled = GrowingKVCache(), PooledKVCache(pool.allocate(BLOCK_TOKENS))
+    after = pool.allocate(BLOCK_TOKENS)  # nor can it grow in place at first
     generator = torch.Generator().manual_seed(4)
-    for length in (20, 3, 1, 150, 2):  # the fourth feed passes the first range: every layer moves
+    for length in (20, 3, 1, 150, 2, 250):  # the fourth feed passes the first range: every layer moves
         tokens = torch.randint(0, 384, (length,), generator=generator).tolist()
         assert torch.equal(_lone(model, growing, tokens), _lone(model, pooled, tokens))
         growing.crop(-1)
         pooled.crop(-1)
-    assert pooled.region.start >= 2 * BLOCK_TOKENS and pooled.capacity_tokens() >= 2 * 173
-    assert pooled.get_seq_length() == growing.get_seq_length() == 171
-    del blocker
+        if length == 150:
+            moved = pooled.region
+            assert moved.start == 3 * BLOCK_TOKENS and moved.capacity >= 2 * 173
+            del first, after  # the sixth feed passes the moved range: it grows over the free blocks after it
+    assert pooled.region.start == moved.start and pooled.capacity_tokens() >= 2 * 425
+    assert pooled.get_seq_length() == growing.get_seq_length() == 420
+    assert pool.used_tokens() == pooled.capacity_tokens()  # the range before the growth returns with it
 
 
 def test_packed_forwards_over_the_pool_get_lone_logits_through_steps_rollbacks_and_moves(model):
     pool = _pool(model)
     packer = enable_packing(model, pool)
     assert packer.pooled
-    lengths = [[17, 3, 1, 5], [4, 1, 9, 1], [30, 6, 2, 2], [1, 140, 1, 7]]  # the last moves at step 1
+    # A block each; the last grows in place over the free blocks after it at step 0, the third,
+    # with no free block after it then, moves at step 1.
+    lengths = [[17, 3, 1, 5], [4, 1, 9, 1], [30, 140, 2, 2], [140, 1, 1, 7]]
     pooled = [PooledKVCache(pool.allocate(32)) for _ in lengths]
     check_packed_steps(model, packer, lengths, pooled)
-    assert pooled[3].capacity_tokens() > 128
+    assert [(c.region.start, c.capacity_tokens()) for c in pooled[2:]] == [(6 * BLOCK_TOKENS, 384), (3 * BLOCK_TOKENS, 384)]
 
 
 def test_a_tree_segment_over_the_pool_sees_only_its_branch(model):
@@ -252,13 +262,39 @@ def test_a_range_returned_while_its_pool_is_locked_does_not_wait_for_the_lock(mo
 def test_a_cache_that_outgrows_its_range_takes_what_fits_when_twice_does_not(model):
     from specd.engine.kv_pool import make_room
 
-    pool = _pool(model, 5 * BLOCK_TOKENS)  # room for 4 blocks
+    pool = _pool(model, 6 * BLOCK_TOKENS)  # room for 5 blocks
     cache = PooledKVCache(pool.allocate(1))
-    make_room(cache, 299)  # twice is 5 blocks; the 3 free after its own take 299
-    assert (cache.region.start, cache.capacity_tokens()) == (BLOCK_TOKENS, 3 * BLOCK_TOKENS)
+    make_room(cache, 2 * BLOCK_TOKENS)  # twice is 4 blocks, free after its own: it grows in place
+    assert (cache.region.start, cache.capacity_tokens()) == (0, 4 * BLOCK_TOKENS)
+    make_room(cache, 5 * BLOCK_TOKENS)  # twice is 10 blocks; the one after its own takes the rest
+    assert (cache.region.start, cache.capacity_tokens()) == (0, 5 * BLOCK_TOKENS)
     with pytest.raises(TooManySessions):
-        make_room(cache, 3 * BLOCK_TOKENS + 1)
+        make_room(cache, 5 * BLOCK_TOKENS + 1)
+
+    del cache
+    before, cache = pool.allocate(1), PooledKVCache(pool.allocate(1))
+    after = pool.allocate(1)  # nothing free right after the cache: it moves, to what fits
+    make_room(cache, 2 * BLOCK_TOKENS - 1)  # twice is 4 blocks, only 2 are free in one range
+    assert (cache.region.start, cache.capacity_tokens()) == (3 * BLOCK_TOKENS, 2 * BLOCK_TOKENS)
     make_room(GrowingKVCache(), 10**6)  # a cache of its own grows as it writes
+    del before, after
+
+
+def test_a_range_is_cleared_when_handed_out(model):
+    """A session's blocks are read whole and masked afterwards: a value a previous session left
+    there must not reach it (a zero weight keeps a NaN)."""
+    pool = _pool(model, 4 * BLOCK_TOKENS)
+    region = pool.allocate(BLOCK_TOKENS)
+    for keys, values in zip(pool.keys, pool.values):
+        keys.fill_(float("nan"))
+        values.fill_(float("nan"))
+    del region
+    cache = PooledKVCache(pool.allocate(BLOCK_TOKENS))
+    cache.ensure_room(2 * BLOCK_TOKENS)  # grows in place over a block the previous session also left
+    assert cache.region.start == 0
+    for keys, values in zip(pool.keys, pool.values):
+        assert not keys[..., : 2 * BLOCK_TOKENS, :].isnan().any() and not values[..., : 2 * BLOCK_TOKENS, :].isnan().any()
+    assert values[..., 2 * BLOCK_TOKENS :, :].isnan().all()  # what no session took is left alone
 
 
 def test_the_load_time_warm_up_forwards_every_padded_shape_the_pool_has_room_for(model):
@@ -273,3 +309,27 @@ def test_the_load_time_warm_up_forwards_every_padded_shape_the_pool_has_room_for
     _compile_steady_shapes(packer)
     assert shapes == [16, 16, 32, 32, 64, 64, 128, 128, 256]
     assert pool.used_tokens() == 0
+
+
+def test_a_worker_reports_the_fast_paths_its_forwards_take_now(model):
+    """CUDA graphs that turn off while a worker serves (a replay that differs from its eager
+    forward) leave its Info and its specd_backend_info metric at once."""
+    from specd.core.sampling import SamplingSettings
+    from specd.engine.loading import LoadedModel
+    from specd.observability.metrics import WorkerMetrics
+    from target_service.runner import TargetModelRunner
+
+    loaded = LoadedModel("m", model, None, 384, 2048, (), SamplingSettings(), "", "float32", "cpu")
+    runner = TargetModelRunner(loaded, SessionStore(4, 60.0, pool=_pool(model)), fast_paths=("loaded_path",))
+    runner._packer.over_pool.graphs = True  # as on a GPU, where they are captured
+    metrics = WorkerMetrics("target")
+    metrics.report_backend(runner)
+
+    def reported() -> str:
+        return next(s.labels["fast_paths"] for f in metrics.registry.collect() for s in f.samples if s.name == "specd_backend_info")
+
+    assert runner.fast_paths == ("loaded_path", "packed_forward", "kv_pool", "pooled_attention", "cuda_graphs")
+    assert reported() == ",".join(runner.fast_paths)
+    runner._packer.over_pool._turn_off()
+    assert runner.fast_paths == ("loaded_path", "packed_forward", "kv_pool", "pooled_attention")
+    assert reported() == ",".join(runner.fast_paths)
