@@ -40,9 +40,13 @@ class DraftModelRunner:
         self.packer = enable_packing(loaded.model, sessions.pool, graphs_fit(cuda_graphs, loaded.model))  # None: one session per forward
         self.sessions = sessions
         self.max_support = max_support
-        self.backend = backend  # the device backend the model runs on, and the fast paths it took
-        lean_path = ("lean_forward",) if self.model is not loaded.model else ()
-        self.fast_paths = fast_paths + lean_path + packing_fast_paths(self.packer, sessions.pool)
+        self.backend = backend  # the device backend the model runs on, and the fast paths it took at load
+        self._loaded_fast_paths = fast_paths + (("lean_forward",) if self.model is not loaded.model else ())
+
+    @property
+    def fast_paths(self) -> tuple[str, ...]:
+        """The fast paths the model's forwards take now (CUDA graphs may have turned off since load)."""
+        return self._loaded_fast_paths + packing_fast_paths(self.packer, self.sessions.pool)
 
     def prefill(self, session_id: str, start: int, tokens: list[int], reserve_tokens: int = 0) -> tuple[int, float]:
         """Cache every committed token but the last; returns (cached tokens, forward ms).

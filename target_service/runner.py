@@ -118,10 +118,15 @@ class TargetModelRunner:
         self.sessions = sessions
         # None: one session per forward
         self._packer = enable_packing(loaded.model, sessions.pool, graphs_fit(cuda_graphs, loaded.model)) if pack else None
-        self.backend = backend  # the device backend the model runs on, and the fast paths it took
-        self.fast_paths = fast_paths + packing_fast_paths(self._packer, sessions.pool)
+        self.backend = backend  # the device backend the model runs on, and the fast paths it took at load
+        self._loaded_fast_paths = fast_paths
         self._prefill_chunk = prefill_chunk  # in a shared forward, most committed tokens a call caches (0: all)
         self.last_forward: ForwardCost | None = None  # of run_batch's forward, if it ran one
+
+    @property
+    def fast_paths(self) -> tuple[str, ...]:
+        """The fast paths the model's forwards take now (CUDA graphs may have turned off since load)."""
+        return self._loaded_fast_paths + packing_fast_paths(self._packer, self.sessions.pool)
 
     def run_batch(self, calls: list[Call], most_tokens: int | None = None) -> list[VerifyOutcome | Prefilled | Again | BaseException]:
         """Verifies and prefills of different sessions in one forward; each call's outcome

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from specd.observability.metrics_server import start_metrics_server
 
@@ -86,12 +88,8 @@ class WorkerMetrics(ServiceMetrics):
             buckets=_BATCH_SIZE_BUCKETS,
             registry=self.registry,
         )
-        self.backend_info = Gauge(
-            "specd_backend_info",
-            "1 for the device backend this worker runs and the fast paths its model took (comma-separated)",
-            ["role", "backend", "fast_paths"],
-            registry=self.registry,
-        )
+        self.backend_info = _BackendInfo(role)
+        self.registry.register(self.backend_info)
 
     def track_sessions(self, store) -> None:
         """Follow a worker's specd.engine.session_cache.SessionStore: its sessions and their KV bytes."""
@@ -99,8 +97,9 @@ class WorkerMetrics(ServiceMetrics):
         self.kv_cache_bytes.set_function(store.held_bytes)
         self.kv_cache_budget_bytes.set(store.kv_budget.budget_bytes)
 
-    def report_backend(self, backend: str, fast_paths) -> None:
-        self.backend_info.labels(role=self.role, backend=backend, fast_paths=",".join(fast_paths)).set(1)
+    def report_backend(self, runner) -> None:
+        """Follow a worker's runner: its `backend` and its `fast_paths`, read at each scrape."""
+        self.backend_info.runner = runner
 
     def observe_forward(self, op: str, forward_ms: float) -> None:
         self.forward_seconds.labels(op=op).observe(forward_ms / 1000.0)
@@ -108,6 +107,25 @@ class WorkerMetrics(ServiceMetrics):
     def observe_batch(self, op: str, sessions: int) -> None:
         """One forward of `op` that ran `sessions` sessions' work together."""
         self.forward_batch_size.labels(role=self.role, op=op).observe(sessions)
+
+
+class _BackendInfo(Collector):
+    """specd_backend_info, read from the worker's runner at each scrape: a fast path can turn off
+    while it serves (CUDA graphs whose replay differs from the eager forward)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.runner = None  # once the model is loaded
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "specd_backend_info",
+            "1 for the device backend this worker runs and the fast paths its model takes (comma-separated)",
+            labels=["role", "backend", "fast_paths"],
+        )
+        if self.runner is not None:
+            family.add_metric([self.role, self.runner.backend, ",".join(self.runner.fast_paths)], 1)
+        yield family
 
 
 class CoordinatorMetrics(ServiceMetrics):

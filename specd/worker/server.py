@@ -49,7 +49,7 @@ async def start_worker(
     def on_loaded(runner) -> None:
         servicer.runner = runner
         servicer.metrics.track_sessions(runner.sessions)
-        servicer.metrics.report_backend(runner.backend, runner.fast_paths)
+        servicer.metrics.report_backend(runner)
         service.background.append(
             asyncio.ensure_future(expire_sessions_forever(thread, runner.expire_idle, every_s=10.0))
         )
