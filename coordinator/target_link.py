@@ -7,6 +7,7 @@ import time
 from typing import Iterable
 
 import grpc
+from opentelemetry import trace
 
 from coordinator.session_wait import FIRST_WAIT_S, LONGEST_WAIT_S, SessionWait, out_of_sessions
 from coordinator.workers import CatchUp, WorkerSession, call_metadata_source, remaining_s, synced_call, worker_channel
@@ -14,6 +15,8 @@ from specd.core.sampling import SamplingSettings, SparseDist
 from specd.serving.status import StatusError, Unavailable
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specd.wire.convert import sampling_to_proto, sparse_to_proto
+
+SESSION_WAIT_EVENT = "specd.session_wait"  # a span event: the request waited for a target session
 
 
 class TargetUnavailable(Unavailable):
@@ -107,20 +110,29 @@ class TargetLink:
     async def _once_a_session_frees(self, session: WorkerSession, committed: list[int], call, deadline: float):
         """The refused call, sent again in this request's turn after each wait (coordinator/session_wait.py);
         its deadline moves on by the time it waited, for at most session_wait_s in all: then the
-        target's refusal is the request's."""
-        give_up = time.monotonic() + self.session_wait_s
-        async with self.session_wait.turn():
-            wait_s = FIRST_WAIT_S
-            while True:
-                started = time.monotonic()
-                await self.session_wait.wait(min(wait_s, max(give_up - started, 0.0)))
-                deadline += time.monotonic() - started
-                try:
-                    return await synced_call(session, committed, call, deadline, self._catch_up)
-                except grpc.aio.AioRpcError as exc:
-                    if not out_of_sessions(exc, session) or time.monotonic() >= give_up:
-                        raise self._error(exc) from None
-                wait_s = min(2 * wait_s, LONGEST_WAIT_S)
+        target's refusal is the request's. The wait is an event on the current span."""
+        refused_at = time.monotonic()
+        give_up = refused_at + self.session_wait_s
+        refusals = 1
+        try:
+            async with self.session_wait.turn():
+                wait_s = FIRST_WAIT_S
+                while True:
+                    started = time.monotonic()
+                    await self.session_wait.wait(min(wait_s, max(give_up - started, 0.0)))
+                    deadline += time.monotonic() - started
+                    try:
+                        return await synced_call(session, committed, call, deadline, self._catch_up)
+                    except grpc.aio.AioRpcError as exc:
+                        if not out_of_sessions(exc, session) or time.monotonic() >= give_up:
+                            raise self._error(exc) from None
+                    refusals += 1
+                    wait_s = min(2 * wait_s, LONGEST_WAIT_S)
+        finally:
+            waited_ms = (time.monotonic() - refused_at) * 1000.0
+            trace.get_current_span().add_event(
+                SESSION_WAIT_EVENT, {"specd.session_wait_ms": waited_ms, "specd.refusals": refusals, "specd.opened": session.opened}
+            )
 
     async def verify(
         self,

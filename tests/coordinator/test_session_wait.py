@@ -1,7 +1,7 @@
 """A target at its --max-sessions: a new session's first call waits for one to free instead of
 failing, asks again when a session of its coordinator ends, in the order the requests were
 refused, and, while the target refuses sessions, open_session waits for the request's session
-before any round (coordinator/session_wait.py).
+before any round (coordinator/session_wait.py); the wait is an event on the request's span.
 
 Against a real target worker holding ONE session, through the coordinator's own TargetLink.
 """
@@ -12,8 +12,11 @@ import asyncio
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from coordinator.target_link import TargetLink
+from coordinator.target_link import SESSION_WAIT_EVENT, TargetLink
 from coordinator.workers import WorkerSession
 from specd.core.errors import NO_SESSION_ROOM
 from specd.serving.status import StatusError
@@ -86,18 +89,25 @@ async def until(condition, what: str) -> None:
     raise AssertionError(f"not within {SETTLE_S:.0f} s: {what}")
 
 
-def test_a_request_waits_for_room_no_longer_than_its_bound(one_session_target):
+def test_a_request_waits_for_room_no_longer_than_its_bound_and_its_span_says_so(one_session_target):
     """With the target full and nobody ending a session, the refused call waits session_wait_s,
-    then fails with the target's refusal."""
-    one_session_target.run(_waits_then_fails(one_session_target))
+    then fails with the target's refusal; the wait is an event on the span current then."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    one_session_target.run(_waits_then_fails(one_session_target, provider.get_tracer("test")))
+    (span,) = exporter.get_finished_spans()
+    (event,) = [e for e in span.events if e.name == SESSION_WAIT_EVENT]
+    assert event.attributes["specd.session_wait_ms"] >= 300.0 and event.attributes["specd.refusals"] >= 2
+    assert event.attributes["specd.opened"] is False
 
 
-async def _waits_then_fails(stack) -> None:
+async def _waits_then_fails(stack, tracer) -> None:
     link = TargetLink(f"127.0.0.1:{stack.target.port}", timeout_s=10.0, session_wait_s=0.3)
     holder, refused = WorkerSession("session-wait-holder"), WorkerSession("session-wait-refused")
     try:
         await link.prefill(holder, PROMPT)
-        with pytest.raises(StatusError) as failed:
+        with tracer.start_as_current_span("request"), pytest.raises(StatusError) as failed:
             await link.prefill(refused, PROMPT)
         assert failed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and NO_SESSION_ROOM in str(failed.value)
     finally:
