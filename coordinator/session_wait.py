@@ -7,9 +7,9 @@ sessions. A request whose first target call is refused for want of a session (RE
 keeps its place and sends that call again once a session may have freed, instead of failing: at
 once when a request of this coordinator ends its target session, else after a wait that grows
 from FIRST_WAIT_S to LONGEST_WAIT_S (sessions other coordinators end are seen only so). Refused
-requests ask again one at a time, in the order they were refused: a refused call still takes a
-place in one of the target's batches, and a crowd asking together would crowd out the verifies
-of the requests it runs. The wait ends with the request (its deadline, a cancellation); requests
+requests ask again one at a time, in the order they were refused: the target refuses a call it
+has no room for before the call's batch, but a crowd asking together would still load it with
+calls beside the verifies of the requests it runs. The wait ends with the request (its deadline, a cancellation); requests
 past the coordinator's places queue in admission meanwhile, and past --max-queued-requests are
 refused there.
 

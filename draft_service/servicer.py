@@ -92,6 +92,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
             raise InvalidRequest(f"num_tokens must lie in [1, {self._max_depth}], got {request.num_tokens}")
         tokens = check_committed(request.committed, loaded.vocab_size, loaded.context_length, request.num_tokens)
         sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
+        self._check_room(runner, request)
         job = functools.partial(
             runner.propose_job,
             request.session_id,
@@ -145,6 +146,7 @@ class DraftServicer(WorkerServicer, draft_pb2_grpc.DraftWorkerServicer):
             request.committed, loaded.vocab_size, loaded.context_length, len(draft_tokens) + 1 + request.num_tokens
         )
         sampling = sampling_from_proto(request.sampling, loaded.default_sampling)
+        self._check_room(runner, request)
         return _SpeculateCall(runner, tokens, draft_tokens, fanout, sampling, _saguaro(request.saguaro))
 
     def _check_speculate_size(self, request, vocab_size: int) -> tuple[list[int], list[int]]:

@@ -83,6 +83,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         # Checked here, with no await before it counts as verifying: a VerifyAfter sent right
         # behind it must find its session known. (At most MAX_VERIFY_DRAFT_TOKENS draft_probs.)
         call = self._prepare(runner, request)
+        self._check_room(runner, request)
         self._verifying[call.session_id] += 1  # a VerifyAfter may follow it
         try:
             with worker_span(
@@ -172,6 +173,7 @@ class TargetServicer(WorkerServicer, target_pb2_grpc.TargetWorkerServicer):
         self._check_open_session_id(request.session_id)
         tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
         call = PrefillCall(request.session_id, request.committed.start, tokens, request.committed.reserve_tokens)
+        self._check_room(runner, request)  # a refusal takes no place in a forward
         cached, forward_ms = await asyncio.wrap_future(self._batcher.submit(call))
         return self.prefill_response(cached_tokens=cached, forward_ms=forward_ms)
 

@@ -71,6 +71,14 @@ class KVPool:
             self._take_returned()
             return self._used_blocks * BLOCK_TOKENS
 
+    def check_room(self, tokens: int) -> None:
+        """TooManySessions, as allocate would raise it, when no free range holds `tokens` now."""
+        blocks = _blocks(tokens)
+        with self._lock:
+            self._take_returned()
+            if not any(free >= blocks for _, free in self._free):
+                raise self._refusal(blocks)
+
     def allocate(self, tokens: int) -> "KVRegion":
         """A range of room for `tokens` (the first that fits), cleared; TooManySessions when none does."""
         blocks = _blocks(tokens)
@@ -83,13 +91,17 @@ class KVPool:
                     region = KVRegion(self, first * BLOCK_TOKENS, blocks * BLOCK_TOKENS)
                     break
             else:
-                largest = max((free for _, free in self._free), default=0)
-                raise TooManySessions(
-                    f"this worker's KV pool of {self.room} tokens ({self.room * self.bytes_per_token / _MIB:.0f} MiB) has no free "
-                    f"range of {blocks * BLOCK_TOKENS} tokens (the largest is {largest * BLOCK_TOKENS}); retry later"
-                )
+                raise self._refusal(blocks)
         self._clear(region.start, region.end)
         return region
+
+    def _refusal(self, blocks: int) -> TooManySessions:
+        """Why a range of `blocks` is refused (the lock held)."""
+        largest = max((free for _, free in self._free), default=0)
+        return TooManySessions(
+            f"this worker's KV pool of {self.room} tokens ({self.room * self.bytes_per_token / _MIB:.0f} MiB) has no free "
+            f"range of {blocks * BLOCK_TOKENS} tokens (the largest is {largest * BLOCK_TOKENS}); retry later"
+        )
 
     def extend(self, region: "KVRegion", tokens: int) -> "KVRegion | None":
         """`region` grown in place to room for `tokens`, the blocks after it taken and cleared, when

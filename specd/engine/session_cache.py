@@ -140,10 +140,7 @@ class SessionStore:
                     raise SessionNotFound(
                         f"session {session_id!r} is not on this worker; resend from position 0"
                     )
-                if len(self._sessions) >= self._max_sessions:
-                    raise TooManySessions(
-                        f"this worker holds its maximum of {self._max_sessions} sessions; retry later"
-                    )
+                self._check_count()
                 reserve_tokens = self.kv_budget.clamp(reserve_tokens)
                 if self.pool is not None:
                     session = Session.reserved(reserve_tokens, _allocate(self.pool, reserve_tokens))
@@ -153,6 +150,24 @@ class SessionStore:
                 self._sessions[session_id] = session
             session.last_used = time.monotonic()
             return session
+
+    def check_admits(self, session_id: str, start: int, reserve_tokens: int = 0) -> None:
+        """TooManySessions now where `open` would refuse to open this session now, so that a call
+        refused for want of room is told at once instead of waiting for its place in a forward
+        (`open` still decides: room may free, or be taken, in between)."""
+        with self._lock:
+            if start != 0 or session_id in self._sessions:
+                return
+            self._check_count()
+            reserve_tokens = self.kv_budget.clamp(reserve_tokens)
+            if self.pool is None:
+                self.kv_budget.admit(reserve_tokens, self._held_tokens)
+            elif time.monotonic() - _last_collect[0] < _COLLECT_EVERY_S:  # else `open` collects garbage first
+                self.pool.check_room(reserve_tokens)
+
+    def _check_count(self) -> None:
+        if len(self._sessions) >= self._max_sessions:
+            raise TooManySessions(f"this worker holds its maximum of {self._max_sessions} sessions; retry later")
 
     def _held_tokens(self) -> int:
         return sum(session.held_tokens() for session in self._sessions.values())

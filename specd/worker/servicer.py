@@ -40,6 +40,11 @@ class WorkerServicer:
         check_session_id(session_id)
         self.retired.check(session_id)
 
+    def _check_room(self, runner, request) -> None:
+        """TooManySessions now for a call whose new session the worker has no room for (its count
+        or KV budget): told at once, not after waiting for its place on the model thread."""
+        runner.sessions.check_admits(request.session_id, request.committed.start, request.committed.reserve_tokens)
+
     def _ready_runner(self):
         """The loaded runner; ModelLoading (UNAVAILABLE) until the model is loaded and warm."""
         if self.runner is None:
@@ -59,6 +64,7 @@ class WorkerServicer:
         runner = self._ready_runner()
         self._check_open_session_id(request.session_id)
         tokens = check_committed(request.committed, runner.loaded.vocab_size, runner.loaded.context_length, 0)
+        self._check_room(runner, request)
         cached, forward_ms = await self._thread.run(
             runner.prefill, request.session_id, request.committed.start, tokens, request.committed.reserve_tokens
         )

@@ -333,3 +333,20 @@ def test_a_worker_reports_the_fast_paths_its_forwards_take_now(model):
     runner._packer.over_pool._turn_off()
     assert runner.fast_paths == ("loaded_path", "packed_forward", "kv_pool", "pooled_attention")
     assert reported() == ",".join(runner.fast_paths)
+
+
+def test_a_session_the_pool_has_no_room_for_is_refused_before_its_forward(model):
+    """check_admits tells a worker's servicer at once what open would refuse."""
+    import time
+
+    from specd.engine import session_cache
+
+    store = SessionStore(4, 60.0, pool=_pool(model, 3 * BLOCK_TOKENS))  # room for 2 blocks
+    store.open("held", 0, 2 * BLOCK_TOKENS)
+    session_cache._last_collect[0] = time.monotonic()  # a collection just ran: open would not run one first
+    with pytest.raises(TooManySessions, match="KV pool"):
+        store.check_admits("next", 0, BLOCK_TOKENS)
+    store.check_admits("held", 0, 10**6)  # an open session is not admitted again
+    store.check_admits("next", 5, BLOCK_TOKENS)  # nor one resumed part-way: open says it is not here
+    store.end("held")
+    store.check_admits("next", 0, BLOCK_TOKENS)

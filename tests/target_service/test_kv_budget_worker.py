@@ -65,6 +65,29 @@ def test_a_session_that_does_not_fit_the_budget_is_refused_until_room_frees(targ
     _end(target, "second")
 
 
+def test_a_call_refused_a_session_is_told_at_once_without_a_place_in_a_forward(stack, target):
+    """A Prefill or a round-0 Verify the budget has no room for is refused before its batch: the
+    target's batches see only the calls it serves (a refused call's retries cost no forward)."""
+    batcher = stack.target.servicer._batcher
+    batched = []
+    batcher.submit = lambda call, submit=batcher.submit: batched.append(call.session_id) or submit(call)
+    try:
+        _prefill(target, "whole-budget", BUDGET_TOKENS)
+        committed = common_pb2.CommittedTokens(start=0, token_ids=PROMPT, reserve_tokens=10)
+        refused_calls = (
+            lambda: _prefill(target, "no-room", 10),
+            lambda: target.Verify(target_pb2.VerifyRequest(session_id="no-room", committed=committed), timeout=CALL_TIMEOUT_S),
+        )
+        for call in refused_calls:
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV cache budget" in refused.value.details()
+        assert batched == ["whole-budget"]
+    finally:
+        del batcher.submit
+        _end(target, "whole-budget")
+
+
 def test_coordinator_requests_reserve_their_most_tokens_and_wait_for_room(stack, target):
     """Beside a session holding 200 of the 300 tokens, a request of 6 + 48 tokens runs (it reserves
     its 54 and two verifies' drafts); one of 6 + 120 waits for room, and runs once that session ends."""
