@@ -124,9 +124,11 @@ class TargetLink:
                     try:
                         return await synced_call(session, committed, call, deadline, self._catch_up)
                     except grpc.aio.AioRpcError as exc:
-                        if not out_of_sessions(exc, session) or time.monotonic() >= give_up:
+                        if not out_of_sessions(exc, session):
                             raise self._error(exc) from None
-                    refusals += 1
+                        refusals += 1
+                        if time.monotonic() >= give_up:
+                            raise self._error(exc) from None
                     wait_s = min(2 * wait_s, LONGEST_WAIT_S)
         finally:
             waited_ms = (time.monotonic() - refused_at) * 1000.0

@@ -118,10 +118,9 @@ class KVPool:
             free = self._free[i][1]
             self._free[i : i + 1] = [(after + blocks, free - blocks)] if free > blocks else []
             self._used_blocks += blocks
-            region.stop_returning()
-            grown = KVRegion(self, region.start, region.capacity + blocks * BLOCK_TOKENS)
-        self._clear(region.end, grown.end)
-        return grown
+        self._clear(region.end, region.end + blocks * BLOCK_TOKENS)
+        region.stop_returning()  # only now: had the clearing failed, the range would still be whole
+        return KVRegion(self, region.start, region.capacity + blocks * BLOCK_TOKENS)
 
     def _clear(self, start: int, end: int) -> None:
         """Zeros in tokens [start, end) of every layer: attention reads a session's blocks whole and

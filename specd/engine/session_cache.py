@@ -155,9 +155,9 @@ class SessionStore:
         """TooManySessions now where `open` would refuse to open this session now, so that a call
         refused for want of room is told at once instead of waiting for its place in a forward
         (`open` still decides: room may free, or be taken, in between)."""
+        if start != 0 or session_id in self._sessions:  # most calls: no lock taken on the caller's thread
+            return
         with self._lock:
-            if start != 0 or session_id in self._sessions:
-                return
             self._check_count()
             reserve_tokens = self.kv_budget.clamp(reserve_tokens)
             if self.pool is None:

@@ -335,7 +335,7 @@ def test_a_worker_reports_the_fast_paths_its_forwards_take_now(model):
     assert reported() == ",".join(runner.fast_paths)
 
 
-def test_a_session_the_pool_has_no_room_for_is_refused_before_its_forward(model):
+def test_a_session_the_pool_has_no_room_for_is_refused_before_its_forward(model, monkeypatch):
     """check_admits tells a worker's servicer at once what open would refuse."""
     import time
 
@@ -343,7 +343,7 @@ def test_a_session_the_pool_has_no_room_for_is_refused_before_its_forward(model)
 
     store = SessionStore(4, 60.0, pool=_pool(model, 3 * BLOCK_TOKENS))  # room for 2 blocks
     store.open("held", 0, 2 * BLOCK_TOKENS)
-    session_cache._last_collect[0] = time.monotonic()  # a collection just ran: open would not run one first
+    monkeypatch.setattr(session_cache, "_last_collect", [time.monotonic()])  # a collection just ran: open would not run one first
     with pytest.raises(TooManySessions, match="KV pool"):
         store.check_admits("next", 0, BLOCK_TOKENS)
     store.check_admits("held", 0, 10**6)  # an open session is not admitted again
