@@ -1,7 +1,7 @@
 """The gpu overlay applies as it is: weights from volumes a one-off Job fills, no hub at start,
 TLS and a token on by default, egress limited to what each pod talks to, no namespace assumed.
 
-Rendered and parsed as in tests/deploy/test_deploy.py (its helpers; its skip when kubectl or
+Rendered and parsed with tests/deploy/manifests.py (its helpers; its skip when kubectl or
 kubernetes-validate is missing applies here too).
 """
 
@@ -11,20 +11,22 @@ import pathlib
 
 import pytest
 
-from tests.deploy.test_deploy import (
+from tests.deploy.manifests import (
     KUSTOMIZATIONS,
     config_of,
     container_env,
     named,
+    needs_tools,
     of_kind,
     pod_templates,
-    pytestmark,  # noqa: F401 - the same skip
     render,
     role_of,
     selects,
     specd_containers,
     volume_of,
 )
+
+pytestmark = needs_tools
 
 GPU = "overlays/gpu"
 WEIGHTS_SCRIPT = "fill_weights.py"

@@ -151,7 +151,7 @@ def test_sampled_ssd_under_a_repetition_penalty_follows_the_target(stub, tiny_pa
     """With a repetition penalty each token follows the target's penalised distribution given
     the prompt and the tokens before it (a target that ignored the penalty, a bug put in by
     hand, gave p = 9e-23; one that left the drafts before each verified position out of the
-    history is too rare a difference for this test, and the greedy test in test_trio.py fails it)."""
+    history is too rare a difference for this test, and the greedy test in trio/test_greedy.py fails it)."""
     model, tokenizer = load_reference(tiny_pair[0])
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
     sequences, hits, _, _ = _sample(stub, prompt_ids, 0.5, 1.0, repetition_penalty=PENALTY)
