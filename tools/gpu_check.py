@@ -5,8 +5,9 @@ One run, within minutes on one GPU and no network: the device-placement tests fo
 ssd against the target alone (benchmarks/check_exactness.py); a synthetic pair of a real model's
 shape (benchmarks/synthetic_pair.py: a Llama-3.1-8B-shaped target in bfloat16 whose later layers
 add small residuals, and a draft of its first layers) through `specd bench` on the GPU; and its
-one-token step and verify of K + 1 tokens timed against the floor of reading its weights once, and
-a packed verify of several sessions with attention per session against one call over the KV pool.
+one-token step and verify of K + 1 tokens timed against the floor of reading its weights once (as a
+worker serves one session, and as a plain forward), and a packed verify of several sessions with
+attention per session against one call over the KV pool and its CUDA graph.
 Everything it measured goes into one JSON, OUT/gpu_check.json; the models and logs it makes stay
 in a temporary folder (--work) it removes at the end. The whole run keeps to --budget-s: each step
 gets its share of what is left, and a step past it is stopped with everything it started.
@@ -171,7 +172,9 @@ def synthetic_bench(work: pathlib.Path, timeout: float, shape: str, residual_sca
 
 def step_timing(work: pathlib.Path, timeout: float, context: int = 512, repeats: int = 20) -> dict:
     """The synthetic target's one-token step and verify of K + 1 tokens on the GPU, against reading
-    its weights once: every parameter but the input embedding, of which a step reads a row a token."""
+    its weights once (every parameter but the input embedding, of which a step reads a row a
+    token): as a worker serves one session (over the KV pool, a CUDA graph where kept), and as a
+    plain transformers forward; and a packed verify of several sessions (served_timing)."""
     import torch
 
     from specd.engine.forward import forward_logits
@@ -181,56 +184,75 @@ def step_timing(work: pathlib.Path, timeout: float, context: int = 512, repeats:
     model = load_causal_lm(str(work / "synthetic" / "target"), dtype="bfloat16", device="cuda").model
     embedding = model.get_input_embeddings().weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embedding.numel() * embedding.element_size()
-    times = {}
+    eager = {}
     for tokens in (1, K + 1):
         samples = []
         for _ in range(repeats):
             cache = GrowingKVCache()
             forward_logits(model, cache, list(range(2, context + 2)), 1)
             samples.append(forward_logits(model, cache, list(range(2, tokens + 2)), tokens)[1])
-        times[tokens] = sorted(samples)[len(samples) // 2]
+        eager[tokens] = sorted(samples)[len(samples) // 2]
     floor_ms = weight_bytes / HBM_BYTES_PER_S * 1000.0
-    return {"weight_bytes_read": weight_bytes, "floor_ms": floor_ms, "step_ms": times[1], "verify_ms": times[K + 1],
-            "step_over_floor": times[1] / floor_ms, "verify_over_step": times[K + 1] / times[1], "torch": torch.__version__,
-            "packed_verify": packed_verify_timing(model, batch=8, context=context, repeats=repeats)}
+    report = {"weight_bytes_read": weight_bytes, "floor_ms": floor_ms, "eager_step_ms": eager[1], "eager_verify_ms": eager[K + 1],
+              "torch": torch.__version__, **served_timing(model, batch=8, context=context, repeats=repeats)}
+    if report.get("step_ms") and report.get("verify_ms"):
+        report["step_over_floor"] = report["step_ms"] / floor_ms
+        report["verify_over_step"] = report["verify_ms"] / report["step_ms"]
+    return report
 
 
-def packed_verify_timing(model, batch: int, context: int, repeats: int) -> dict:
-    """A verify of K + 1 tokens for `batch` sessions of `context` tokens in one packed forward: its
-    median ms with attention per session, over the KV pool in one call per layer, and (on a GPU)
-    that replayed as a CUDA graph; each arm after a warm-up forward (which compiles its kernels and
-    captures its graph)."""
+def served_timing(model, batch: int, context: int, repeats: int) -> dict:
+    """Forwards as a worker with a KV pool runs them, on sessions of `context` tokens, each arm's
+    median ms after a warm-up forward (which compiles its kernels and captures its graph): one
+    session's one-token step and verify of K + 1 (`lone`; `step_ms` and `verify_ms` on the path a
+    worker takes, `served_path`), and a verify of K + 1 for `batch` sessions in one packed forward
+    (`packed_verify`), with attention per session, over the pool in one call per layer, and (on a
+    GPU) replayed as a CUDA graph."""
     from specd.engine.forward import forward_logits
     from specd.engine.kv_pool import BLOCK_TOKENS, KVPool, PooledKVCache
-    from specd.engine.packed_forward import Segment, enable_packing
+    from specd.engine.packed_forward import enable_packing
 
     pool = KVPool.for_model(model, (batch + 1) * (context + 2 * BLOCK_TOKENS))
-    on_gpu = model.device.type == "cuda"
     started = time.monotonic()
-    packer = enable_packing(model, pool, graphs=on_gpu)
-    report = {"batch": batch, "context": context, "probe_s": time.monotonic() - started,
-              "pooled_probe_agrees": bool(packer and packer.pooled)}
+    packer = enable_packing(model, pool, graphs=model.device.type == "cuda")
+    probe = {"probe_s": time.monotonic() - started, "pooled_probe_agrees": bool(packer and packer.pooled)}
     if packer is None:
-        return report
+        return {"packed_verify": {"batch": batch, "context": context, **probe}}
     caches = [PooledKVCache(pool.allocate(context + BLOCK_TOKENS)) for _ in range(batch)]
     for i, cache in enumerate(caches):
         forward_logits(model, cache, [2 + (i + t) % 50 for t in range(context)], 1)
     arms = {"per_session_ms": (False, False)}
-    if report["pooled_probe_agrees"]:
+    if packer.pooled:
         arms["pooled_ms"] = (True, False)
         if packer.over_pool.graphs:
             arms["graphed_ms"] = (True, True)
-    for name, (pooled, graphs) in arms.items():
+    lone = {tokens: time_arms(packer, caches[:1], tokens, arms, repeats) for tokens in (1, K + 1)}
+    packed = time_arms(packer, caches, K + 1, arms, repeats)
+    served = list(arms)[-1]  # graphs where kept, else attention over the pool, as a worker prefers
+    return {"served_path": served.removesuffix("_ms"), "step_ms": lone[1].get(served), "verify_ms": lone[K + 1].get(served),
+            "lone": lone, "packed_verify": {"batch": batch, "context": context, **probe, **packed,
+                                            "graphs_kept": packer.over_pool.graphs}}
+
+
+def time_arms(packer, caches: list, tokens: int, arms: dict, repeats: int) -> dict:
+    """Each arm's median ms for a forward of `tokens` per cache, rolled back after each; an arm of
+    graphs that turned off on the way (a capture failed or differed) leaves `arms`."""
+    from specd.engine.packed_forward import Segment
+
+    times = {}
+    for name, (pooled, graphs) in list(arms.items()):
         packer.pooled, packer.over_pool.graphs = pooled, graphs
         samples = []
         for _ in range(repeats + 1):  # the first warms up
-            _, forward_ms = packer.forward([Segment(cache, list(range(3, K + 4)), K + 1) for cache in caches])
+            _, forward_ms = packer.forward([Segment(cache, list(range(3, tokens + 3)), tokens) for cache in caches])
             samples.append(forward_ms)
             for cache in caches:
-                cache.crop(-(K + 1))
-        report[name] = sorted(samples[1:])[repeats // 2]
-    report["graphs_kept"] = packer.over_pool.graphs  # False: a capture failed or differed (the worker's log says why)
-    return report
+                cache.crop(-tokens)
+        if graphs and not packer.over_pool.graphs:
+            del arms[name]  # the worker's log says why
+            continue
+        times[name] = sorted(samples[1:])[repeats // 2]
+    return times
 
 
 def dry_run() -> int:
@@ -248,9 +270,9 @@ def dry_run() -> int:
 
             load_causal_lm(str(pathlib.Path(work) / "draft"), device="cpu")
             target = load_causal_lm(str(pathlib.Path(work) / "target"), device="cpu").model
-            packed = packed_verify_timing(target, batch=2, context=16, repeats=1)
-            if not packed["pooled_probe_agrees"] or "pooled_ms" not in packed:
-                problems.append(f"the packed verify over the KV pool did not run at the tiny shape: {packed}")
+            served = served_timing(target, batch=2, context=16, repeats=1)
+            if served.get("served_path") != "pooled" or "pooled_ms" not in served["packed_verify"]:
+                problems.append(f"the forwards over the KV pool did not run at the tiny shape: {served}")
             words = [t for t in greedy_smoke(str(pathlib.Path(work) / "target")) if t != 0]
             if len(words) < 2:
                 problems.append(f"the tiny synthetic target wrote {len(words)} tokens before its end of text")
