@@ -3,7 +3,8 @@
 The servicer calls these methods from one executor thread. A tensor-parallel
 runner offers the same methods: rank 0 broadcasts each call and every rank runs it.
 Verifies and prompt prefills of different sessions that are ready together run as one
-packed forward (specd/engine/packed_forward.py); each verify then takes its own ratio test.
+packed forward (specd/engine/packed_forward.py); then each verify is decided
+(target_service/verify_decision.py: the plain greedy ones together, from one read-back).
 In a forward shared with other sessions, a call that still has to cache a long stretch of
 committed tokens (a new prompt) caches at most `prefill_chunk` of them and runs again in the
 next batch (AGAIN), so that one long prompt does not make everyone's step as slow as its
@@ -19,61 +20,17 @@ from typing import NamedTuple
 
 import torch
 
-from specd.core.logits import keyed_uniforms, logits_to_probs, penalize_repeats, sparse_to_dense
-from specd.core.sampling import Purpose, SamplingSettings, SparseDist
 from specd.core.tokenizer_spec import TokenizerSpec
-from specd.core.verify import VerifyResult, greedy_verify, rejection_sample
 from specd.engine.batcher import AGAIN, Again
 from specd.engine.forward import forward_logits
-from specd.engine.host_copy import to_host
 from specd.engine.kv_pool import make_room
 from specd.engine.loading import LoadedModel
 from specd.engine.packed_forward import Segment, enable_packing, graphs_fit, packing_fast_paths
 from specd.engine.session_cache import Session, SessionStore
+from target_service.calls import Call, PrefillCall, Prefilled
+from target_service.verify_decision import Verified, VerifyOutcome, decide_all
 
 MIN_CHUNK = 16  # fewest catch-up tokens a cut call caches per forward, however full the forward: it must progress
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyOutcome:
-    accepted: int  # k
-    next_token: int  # t*
-    is_bonus: bool
-    logprobs: list[float]  # of d_1..d_k, t* under the target's raw distribution, when asked
-    forward_ms: float
-    cached_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyCall:
-    """One checked verify: d_1..d_K after the committed tail, in the runner's terms."""
-
-    session_id: str
-    start: int
-    tokens: list[int]  # the committed tail, from position `start`
-    draft_tokens: list[int]
-    dists: list[SparseDist]  # q of each draft token; empty when greedy
-    sampling: SamplingSettings
-    return_logprobs: bool
-    reserve_tokens: int = 0  # KV room a session this call opens reserves (CommittedTokens.reserve_tokens)
-
-    @property
-    def num_draft(self) -> int:
-        return len(self.draft_tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillCall:
-    """Cache a session's committed tokens but the last (the next verify feeds it)."""
-
-    session_id: str
-    start: int
-    tokens: list[int]  # the committed tail, from position `start`
-    reserve_tokens: int = 0  # KV room a session this call opens reserves (CommittedTokens.reserve_tokens)
-
-
-Call = VerifyCall | PrefillCall
-Prefilled = tuple[int, float]  # (tokens cached, forward ms)
 
 
 class ForwardCost(NamedTuple):
@@ -99,6 +56,12 @@ class _Synced:
         """Committed tokens this call feeds (its catch-up), drafts not counted: a whole verify keeps
         a logit after its last committed token and each draft; a prefill or a chunk feeds no draft."""
         return len(self.feed) - (self.num_logits - 1)
+
+    def verified(self, logits: torch.Tensor) -> Verified:
+        """This verify's decision's inputs after its forward: its logits [K+1, V]."""
+        # The committed tokens, for a repetition penalty: the cache holds them all by now.
+        history = self.session.cached_tokens[: self.first_position] if self.call.sampling.penalizes else []
+        return Verified(self.call, logits, history, self.first_position, len(self.session.cached_tokens))
 
     def first_chunk(self, most: int) -> _Synced | None:
         """The first `most` tokens of a catch-up longer than that, to cache now (the call runs
@@ -136,7 +99,7 @@ class TargetModelRunner:
         self.last_forward = None
         if len(calls) == 1 or self._packer is None:
             return [_outcome_or_error(self._run_one, call, most_tokens) for call in calls]
-        results: list = [None] * len(calls)
+        results: dict[int, VerifyOutcome | Prefilled | Again | BaseException] = {}
         synced: dict[int, _Synced] = {}
         for i, call in enumerate(calls):
             try:
@@ -148,14 +111,16 @@ class TargetModelRunner:
         chunked = self._chunk_catch_ups(synced, most_tokens)
         if synced:
             logits, forward_ms = self._forward(list(synced.values()))  # [num_logits, V] each
+            verified = {}
             for (i, joined), call_logits in zip(synced.items(), logits):
                 if i in chunked:
                     results[i] = AGAIN
                 elif isinstance(joined.call, PrefillCall):
                     results[i] = (len(joined.session.cached_tokens), forward_ms)
                 else:
-                    results[i] = self._decide(joined, call_logits, forward_ms)
-        return results
+                    verified[i] = joined.verified(call_logits)
+            results.update(zip(verified, decide_all(list(verified.values()), forward_ms)))
+        return [results[i] for i in range(len(calls))]
 
     def _chunk_catch_ups(self, synced: dict[int, _Synced], most_tokens: int | None) -> set[int]:
         """Long catch-ups cut to their first chunk (in place); their indices. In a shared forward
@@ -192,7 +157,7 @@ class TargetModelRunner:
             return AGAIN
         if isinstance(call, PrefillCall):
             return len(joined.session.cached_tokens), forward_ms
-        return self._decide(joined, logits, forward_ms)
+        return decide_all([joined.verified(logits)], forward_ms)[0]
 
     def _sync(self, call: Call) -> _Synced:
         session = self.sessions.open(call.session_id, call.start, call.reserve_tokens)
@@ -223,63 +188,11 @@ class TargetModelRunner:
         self.last_forward = ForwardCost(sum(len(b.feed) for b in batch), sum(b.committed_feed for b in batch), forward_ms)
         return logits, forward_ms
 
-    @staticmethod
-    def _decide(joined: _Synced, logits: torch.Tensor, forward_ms: float) -> VerifyOutcome:
-        """The ratio test (or greedy match) over one verify's logits [K+1, V], then its few values read back."""
-        call = joined.call
-        # The committed tokens, for a repetition penalty: the cache holds them all by now.
-        history = joined.session.cached_tokens[: joined.first_position] if call.sampling.penalizes else []
-        result = verify_logits(call, logits, history, joined.first_position)
-        wanted = [result.accepted, result.next_token, result.is_bonus]  # [1] each
-        if call.return_logprobs:
-            wanted.append(emitted_logprobs(call.draft_tokens, logits, result))
-        read = to_host(*wanted)  # one wait for all of them
-        accepted = int(read[0][0])
-        return VerifyOutcome(
-            accepted=accepted,
-            next_token=int(read[1][0]),
-            is_bonus=bool(read[2][0]),
-            logprobs=read[3][: accepted + 1].tolist() if call.return_logprobs else [],
-            forward_ms=forward_ms,
-            cached_tokens=len(joined.session.cached_tokens),
-        )
-
     def end_session(self, session_id: str) -> bool:
         return self.sessions.end(session_id)
 
     def expire_idle(self) -> list[str]:
         return self.sessions.expire_idle()
-
-
-def verify_logits(call: VerifyCall, logits: torch.Tensor, history: list[int], first_position: int) -> VerifyResult:
-    """The ratio test (greedy: the match) of `call`'s draft against the target's logits [K+1, V]
-    after `history`, d_1 at absolute position `first_position`: tensors on the logits' device,
-    nothing read back."""
-    num_draft, device = call.num_draft, logits.device
-    draft = torch.tensor([call.draft_tokens], dtype=torch.long, device=device)  # [1, K]
-    if call.sampling.penalizes:
-        # Row j follows every committed token and d_1..d_j.
-        row_tokens = [call.draft_tokens[:j] for j in range(num_draft + 1)]
-        logits = penalize_repeats(logits, history, row_tokens, call.sampling.repetition_penalty)  # [K+1, V]
-    if call.sampling.greedy:
-        return greedy_verify(logits.argmax(-1).unsqueeze(0), draft)
-    target_probs = logits_to_probs(logits, call.sampling).unsqueeze(0)  # [1, K+1, V]
-    draft_probs = sparse_to_dense(call.dists, logits.shape[-1], device).unsqueeze(0)  # [1, K, V]
-    seed = call.sampling.seed
-    accept_u = keyed_uniforms(seed, first_position, num_draft, Purpose.ACCEPT, device)  # [K]
-    sample_u = keyed_uniforms(seed, first_position, num_draft + 1, Purpose.SAMPLE, device)  # [K+1]
-    return rejection_sample(target_probs, draft_probs, draft, accept_u.unsqueeze(0), sample_u.unsqueeze(0))
-
-
-def emitted_logprobs(draft_tokens: list[int], logits: torch.Tensor, result: VerifyResult) -> torch.Tensor:
-    """The model's own log-probability (before any penalty) of the token each row of a verify's
-    logits [K+1, V] emits if the verify accepts up to it: row j < k its d_{j+1}, row k the next
-    token; [K+1], on the logits' device (rows past k mean nothing)."""
-    rows, device = logits.shape[0], logits.device
-    candidates = torch.tensor(draft_tokens + [0], dtype=torch.long, device=device)  # [K+1]
-    row = torch.arange(rows, device=device)  # [K+1]
-    emitted = torch.where(row == result.accepted[0], result.next_token[0], candidates)  # [K+1]
-    return logits.log_softmax(-1).gather(-1, emitted.unsqueeze(-1)).squeeze(-1)  # [K+1]
 
 
 def _outcome_or_error(run, *args) -> VerifyOutcome | Prefilled | Again | BaseException:

@@ -18,9 +18,11 @@ from specd.wire.checks import check_committed, check_token_ids
 from specd.wire.convert import sampling_from_proto, sampling_to_proto, sparse_from_proto, tokenizer_spec_to_proto
 from specd.wire.outcomes import choices_by_outcome
 from specd.worker.servicer import WorkerServicer, common_info
+from target_service.calls import PrefillCall, VerifyCall
 from target_service.prefill_pacing import PrefillPacer
-from target_service.runner import ForwardCost, PrefillCall, TargetModelRunner, VerifyCall, VerifyOutcome
+from target_service.runner import ForwardCost, TargetModelRunner
 from target_service.verify_after import VerifyOutcomes
+from target_service.verify_decision import VerifyOutcome
 
 _KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
 # Most draft tokens one verify may carry: twice the coordinator's largest K (32). Without a bound

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from draft_service.speculation import SpeculationResult
 from specd.engine.step_batcher import run_alone
-from target_service.runner import PrefillCall, VerifyCall, VerifyOutcome
+from target_service.calls import PrefillCall, VerifyCall
+from target_service.verify_decision import VerifyOutcome
 
 
 def target_prefill(runner, session_id: str, start: int, tokens: list[int]) -> tuple[int, float]:

@@ -19,8 +19,8 @@ from coordinator.server import start_coordinator
 from draft_service.config import DraftConfig
 from draft_service.server import start_draft
 from specd.v1 import coordinator_pb2_grpc
+from target_service.calls import PrefillCall, VerifyCall
 from target_service.config import TargetConfig
-from target_service.runner import PrefillCall, VerifyCall
 from target_service.server import start_target
 
 

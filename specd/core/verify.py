@@ -46,6 +46,14 @@ def greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
     return VerifyResult(accepted, next_token, accepted == num_draft)
 
 
+def greedy_match(target_ids: list[int], draft_tokens: list[int]) -> tuple[int, int]:
+    """greedy_verify of one draft on the host: (k, t*) from the target's argmax ids [K+1]."""
+    accepted = 0
+    while accepted < len(draft_tokens) and target_ids[accepted] == draft_tokens[accepted]:
+        accepted += 1
+    return accepted, target_ids[accepted]
+
+
 def rejection_sample(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,

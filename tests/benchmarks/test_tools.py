@@ -67,6 +67,13 @@ def test_measure_prepack_times_every_copy(tiny_pair):
     assert kernel_runs != ("does not run here" in run.stdout), run.stdout
 
 
+def test_measure_decisions_times_a_batch_of_verifies_both_ways():
+    run = _run("benchmarks/measure_decisions.py", "--vocab", "64", "--batches", "1,3", "--repeats", "3", timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if "together / alone" in line]
+    assert [line.split(":")[0].split()[-1] for line in lines] == ["1", "3"], run.stdout
+
+
 def test_measure_tree_times_the_draft_as_its_worker_serves_it(tiny_pair):
     _, draft = tiny_pair
     run = _run("benchmarks/measure_tree.py", "--builds", "--model", draft, "--k", "2", "--context", "8", "--repeats", "2", timeout=300)

@@ -15,7 +15,7 @@ import torch
 
 from specd.core.logits import logits_to_probs, sample_from_probs, sparse_to_dense
 from specd.core.sampling import SamplingSettings
-from specd.core.verify import greedy_verify, rejection_sample
+from specd.core.verify import greedy_match, greedy_verify, rejection_sample
 from tests.distributions import truncate_to_top
 
 ALPHA = 1e-3
@@ -46,6 +46,7 @@ def test_greedy_table(target_argmax, draft, accepted, next_token):
     assert result.accepted.tolist() == [accepted]
     assert result.next_token.tolist() == [next_token]
     assert result.is_bonus.tolist() == [accepted == len(draft)]
+    assert greedy_match(target_argmax, draft) == (accepted, next_token)  # the host's match, the same
 
 
 def test_greedy_batch_rows_are_independent():

@@ -14,7 +14,7 @@ import grpc
 
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
-from target_service.runner import PrefillCall
+from target_service.calls import PrefillCall
 from tests.conftest import CALL_TIMEOUT_S, request, running_stack
 from tests.stack import prefill_gate, wait_for
 

@@ -17,7 +17,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.server import start_coordinator
 from specd.v1 import coordinator_pb2 as pb
 from specd.v1 import coordinator_pb2_grpc
-from target_service.runner import PrefillCall, VerifyCall
+from target_service.calls import PrefillCall, VerifyCall
 from tests.conftest import (
     CALL_TIMEOUT_S,
     assert_greedy_equal_or_near_tie,

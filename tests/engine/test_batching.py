@@ -24,7 +24,8 @@ from specd.engine.packed_forward import Segment, enable_packing
 from specd.engine.session_cache import SessionStore
 from specd.engine.step_batcher import StepBatcher, run_alone
 from specd.v1 import coordinator_pb2 as pb
-from target_service.runner import TargetModelRunner, VerifyCall
+from target_service.calls import VerifyCall
+from target_service.runner import TargetModelRunner
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, request, running_stack
 from tests.tiny_models import build_llama
 

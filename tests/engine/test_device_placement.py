@@ -27,7 +27,8 @@ from specd.engine.kv_pool import BLOCK_TOKENS, KVPool, PooledKVCache
 from specd.engine.lean_llama import LeanLlama
 from specd.engine.packed_forward import Packer, Segment, _mask
 from specd.engine.session_cache import Session
-from target_service.runner import VerifyCall, verify_logits
+from target_service.calls import VerifyCall
+from target_service.verify_decision import verify_logits
 from tests.tiny_models import build_llama
 
 pytestmark = pytest.mark.device_placement

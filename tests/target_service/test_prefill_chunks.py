@@ -19,7 +19,8 @@ from specd.core.sampling import SamplingSettings
 from specd.engine.batcher import AGAIN, Batcher
 from specd.engine.loading import load_causal_lm
 from specd.engine.session_cache import SessionStore
-from target_service.runner import PrefillCall, TargetModelRunner, VerifyCall
+from target_service.calls import PrefillCall, VerifyCall
+from target_service.runner import TargetModelRunner
 
 GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 CHUNK = 4

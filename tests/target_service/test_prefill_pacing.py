@@ -11,9 +11,10 @@ from specd.core.sampling import SamplingSettings
 from specd.engine.batcher import AGAIN
 from specd.engine.loading import load_causal_lm
 from specd.engine.session_cache import SessionStore
+from target_service.calls import PrefillCall, VerifyCall
 from target_service.config import TargetConfig
 from target_service.prefill_pacing import MIN_TOKENS, PrefillPacer
-from target_service.runner import MIN_CHUNK, ForwardCost, PrefillCall, TargetModelRunner, VerifyCall
+from target_service.runner import MIN_CHUNK, ForwardCost, TargetModelRunner
 
 GREEDY = SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, seed=0)
 

@@ -34,8 +34,8 @@ from specd.core.sampling import SamplingSettings, SparseDist
 from specd.engine.batcher import AGAIN
 from specd.v1 import common_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
+from target_service.calls import PrefillCall, VerifyCall
 from target_service.config import TargetConfig
-from target_service.runner import PrefillCall, VerifyCall
 from tests.conftest import CALL_TIMEOUT_S, assert_greedy_equal_or_near_tie, load_reference, request
 from tests.runner_calls import target_prefill, target_verify
 from tests.stack import ServiceStack

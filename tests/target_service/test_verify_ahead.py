@@ -12,7 +12,7 @@ import pytest
 
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specd.v1 import coordinator_pb2 as pb
-from target_service.runner import VerifyCall
+from target_service.calls import VerifyCall
 from target_service.verify_after import VerifyOutcomes
 from tests.conftest import (
     CALL_TIMEOUT_S,

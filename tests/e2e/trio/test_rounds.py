@@ -10,7 +10,7 @@ import time
 import pytest
 
 from specd.v1 import coordinator_pb2 as pb
-from target_service.runner import PrefillCall, VerifyCall
+from target_service.calls import PrefillCall, VerifyCall
 from tests.conftest import (
     CALL_TIMEOUT_S,
     assert_greedy_equal_or_near_tie,
