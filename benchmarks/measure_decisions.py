@@ -37,6 +37,20 @@ def verifies(batch: int, k: int, vocab: int, device: str) -> list[Verified]:
     return made
 
 
+def time_both(batch: int, k: int, vocab: int, device: str, repeats: int) -> tuple[float, float]:
+    """The median us of deciding `batch` greedy verifies each alone, and together (arms alternating)."""
+    made = verifies(batch, k, vocab, device)
+    arms = {"alone": lambda: [decide(v, 0.0) for v in made], "together": lambda: decide_all(made, 0.0)}
+    assert arms["alone"]() == arms["together"](), "the two ways decided differently"
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for n in range(repeats):
+        for name in list(arms)[n % 2 :] + list(arms)[: n % 2]:
+            started = time.perf_counter()
+            arms[name]()  # both end in a read-back: on a GPU, a wait for the device
+            times[name].append((time.perf_counter() - started) * 1e6)
+    return statistics.median(times["alone"]), statistics.median(times["together"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -48,16 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for batch in map(int, args.batches.split(",")):
-        made = verifies(batch, args.k, args.vocab, args.device)
-        arms = {"alone": lambda: [decide(v, 0.0) for v in made], "together": lambda: decide_all(made, 0.0)}
-        assert arms["alone"]() == arms["together"](), "the two ways decided differently"
-        times: dict[str, list[float]] = {name: [] for name in arms}
-        for n in range(args.repeats):
-            for name in list(arms)[n % 2 :] + list(arms)[: n % 2]:
-                started = time.perf_counter()
-                arms[name]()
-                times[name].append((time.perf_counter() - started) * 1e6)
-        alone, together = (statistics.median(times[name]) for name in arms)
+        alone, together = time_both(batch, args.k, args.vocab, args.device, args.repeats)
         print(f"batch {batch:3d}: each alone {alone:8.0f} us, together {together:8.0f} us, together / alone {together / alone:.2f}")
 
 

@@ -194,11 +194,23 @@ def step_timing(work: pathlib.Path, timeout: float, context: int = 512, repeats:
         eager[tokens] = sorted(samples)[len(samples) // 2]
     floor_ms = weight_bytes / HBM_BYTES_PER_S * 1000.0
     report = {"weight_bytes_read": weight_bytes, "floor_ms": floor_ms, "eager_step_ms": eager[1], "eager_verify_ms": eager[K + 1],
-              "torch": torch.__version__, **served_timing(model, batch=8, context=context, repeats=repeats)}
+              "torch": torch.__version__, **served_timing(model, batch=8, context=context, repeats=repeats),
+              "greedy_decisions_us": decision_timing(model.config.vocab_size, "cuda", repeats)}
     if report.get("step_ms") and report.get("verify_ms"):
         report["step_over_floor"] = report["step_ms"] / floor_ms
         report["verify_over_step"] = report["verify_ms"] / report["step_ms"]
     return report
+
+
+def decision_timing(vocab: int, device: str, repeats: int) -> dict:
+    """Deciding a batch's greedy verifies each alone and together (benchmarks/measure_decisions.py)."""
+    from benchmarks.measure_decisions import time_both
+
+    timed = {}
+    for batch in (1, 8):
+        alone, together = time_both(batch, K, vocab, device, repeats)
+        timed[f"batch_{batch}"] = {"alone": alone, "together": together}
+    return timed
 
 
 def served_timing(model, batch: int, context: int, repeats: int) -> dict:
@@ -271,6 +283,7 @@ def dry_run() -> int:
             load_causal_lm(str(pathlib.Path(work) / "draft"), device="cpu")
             target = load_causal_lm(str(pathlib.Path(work) / "target"), device="cpu").model
             served = served_timing(target, batch=2, context=16, repeats=1)
+            decision_timing(target.config.vocab_size, "cpu", repeats=1)
             if served.get("served_path") != "pooled" or "pooled_ms" not in served["packed_verify"]:
                 problems.append(f"the forwards over the KV pool did not run at the tiny shape: {served}")
             words = [t for t in greedy_smoke(str(pathlib.Path(work) / "target")) if t != 0]
