@@ -124,24 +124,25 @@ def runners(tiny_pair):
     return batched, alone
 
 
-def _calls(round_index: int, histories: list[list[int]], sampling: SamplingSettings) -> list[VerifyCall]:
+def _calls(round_index: int, histories: list[list[int]], sampling: SamplingSettings, logprobs: bool = True) -> list[VerifyCall]:
     generator = torch.Generator().manual_seed(round_index)
     calls = []
     for i, history in enumerate(histories):
         num_draft = (i + round_index) % 5  # ragged: 0 (a plain step) to 4 draft tokens
         draft = torch.randint(0, 300, (num_draft,), generator=generator).tolist()
         dists = [] if sampling.greedy else [SparseDist([t, (t + 1) % 300], [0.6, 0.4]) for t in draft]
-        calls.append(VerifyCall(f"s{i}", 0, list(history), draft, dists, sampling, True))
+        calls.append(VerifyCall(f"s{i}", 0, list(history), draft, dists, sampling, logprobs))
     return calls
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_run_batch_gives_each_session_its_lone_outcome(runners, temperature):
+@pytest.mark.parametrize("temperature, logprobs", [(0.0, True), (0.0, False), (1.0, True)])
+def test_a_run_batch_gives_each_session_its_lone_outcome(runners, temperature, logprobs):
+    """Sampled, greedy with logprobs (each its own ratio test), and plain greedy (decided together)."""
     batched, alone = runners
     sampling = SamplingSettings(temperature=temperature, top_k=0, top_p=1.0, seed=11)
     histories = [list(range(5 + i, 5 + i + 3 * i + 2)) for i in range(6)]  # different context lengths
     for round_index in range(4):
-        calls = _calls(round_index, histories, sampling)
+        calls = _calls(round_index, histories, sampling, logprobs)
         got = batched.run_batch(calls)
         want = alone.run_batch(calls)
         for g, w in zip(got, want):
