@@ -143,10 +143,16 @@ def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int], c
     """
     roots: list[tuple[int, int]] = []
     vocab = logits.shape[-1]
-    for j, count in enumerate(fanout):
-        if count <= 0:
-            continue
-        ranked = torch.topk(logits[j], min(count + 1, vocab)).indices.tolist()
+    rows = [j for j, count in enumerate(fanout) if count > 0]
+    if not rows:
+        return roots
+    width = min(max(fanout) + 1, vocab)
+    # One top-k and one read-back for the positions from the first to the last with branches (a
+    # slice: a list index would copy itself to the device first); on a GPU a read-back waits for it.
+    ranked_rows = torch.topk(logits[rows[0] : rows[-1] + 1], width).indices.tolist()  # [rows spanned, width]
+    for j in rows:
+        count = fanout[j]
+        ranked = ranked_rows[j - rows[0]][: min(count + 1, vocab)]
         if copies[j] is not None:
             ranked = [copies[j]] + [t for t in ranked if t != copies[j]]
         excluded = draft_tokens[j] if j < len(draft_tokens) else None

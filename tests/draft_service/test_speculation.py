@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draft_service.runner import DraftModelRunner
-from draft_service.speculation import SpeculationCancelled
+from draft_service.speculation import SpeculationCancelled, _guesses
 from specd.core.sampling import SamplingSettings
 from specd.engine.loading import load_causal_lm
 from specd.engine.session_cache import SessionStore
@@ -207,3 +207,17 @@ def test_saguaro_at_c_0_sends_the_q_it_samples_from():
     want = probs[[2, 3, 4]] / probs[[2, 3, 4]].sum()
     assert [dist.probs[dist.token_ids.index(t)] for t in (2, 3, 4)] == pytest.approx(want.tolist(), abs=1e-6)
     assert sum(dist.probs) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_guesses_take_each_position_s_own_top_tokens_from_one_top_k():
+    """Positions without branches between and around those with them (one top-k over the span)."""
+    logits = torch.tensor([
+        [0.0, 9.0, 1.0, 2.0, 3.0],  # j = 0: no branches
+        [5.0, 1.0, 4.0, 0.0, 3.0],  # j = 1: d_2 = 0 left out -> 2, 4
+        [1.0, 2.0, 3.0, 4.0, 5.0],  # j = 2: no branches
+        [2.0, 0.0, 1.0, 9.0, 8.0],  # j = 3 (= K): 3, 4, 0
+        [9.0, 8.0, 7.0, 6.0, 5.0],  # j = 4: no branches, past the last with some
+    ])
+    assert _guesses(logits[:4], [1, 0, 3], [0, 2, 0, 3], [None] * 4) == [(1, 2), (1, 4), (3, 3), (3, 4), (3, 0)]
+    assert _guesses(logits, [1, 0, 3, 2], [0, 0, 0, 0, 0], [None] * 5) == []
+    assert _guesses(logits[:2], [1], [0, 9], [None, None]) == [(1, 0), (1, 2), (1, 4), (1, 1), (1, 3)]  # more than the vocabulary
