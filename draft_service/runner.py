@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import torch
+
 from draft_service.copy_drafting import OFF, CopyDrafting
-from draft_service.speculation import DraftPenalty, build_steps, draft_distributions, sample_draft_token
+from draft_service.speculation import DraftPenalty, build_steps, distributions_from, draft_reads, sample_draft_token
 from specd.core.sampling import SamplingSettings, SparseDist
 from specd.engine.forward import forward_logits, prefill_session
 from specd.engine.lean_llama import lean_or_plain
 from specd.engine.loading import LoadedModel
 from specd.engine.packed_forward import Segment, enable_packing, graphs_fit, packing_fast_paths
 from specd.engine.session_cache import Session, SessionStore
-from specd.engine.step_batcher import Job, Step, guarded_step
+from specd.engine.step_batcher import Job, Reads, Step, guarded_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,24 +78,25 @@ class DraftModelRunner:
         dists: list[SparseDist] = []
         total_ms = 0.0
         for i in range(num_tokens):
-            logits, forward_ms = yield from self.step(session, feed)  # [1, V]
+            saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
+
+            def read(logits: torch.Tensor, drafted: list[int] = list(draft_tokens), saguaro_f: int = saguaro_f):
+                return draft_reads(penalty.apply(logits, [drafted]), sampling, support, saguaro_c, saguaro_f)  # of [1, V]
+
+            _, forward_ms, q = yield from self.step(session, feed, read)
             session.extend(feed)
             total_ms += forward_ms
-            saguaro_f = saguaro_fanout[i] if i < len(saguaro_fanout) else 0
-            logits = penalty.apply(logits, [draft_tokens])  # [1, V]
-            dist = draft_distributions(logits, sampling, support, saguaro_c, saguaro_f)[0]
-            dist = copier.mix(dist, draft_tokens, sampling.greedy)
+            dist = copier.mix(distributions_from(q, sampling)[0], draft_tokens, sampling.greedy)
             token = sample_draft_token(dist, sampling, len(committed) + i)
             draft_tokens.append(token)
             dists.append(dist)
             feed = [token]
         return Proposal(draft_tokens=draft_tokens, draft_dists=dists, forward_ms=total_ms)
 
-    def step(self, session: Session, feed: list[int], num_logits: int = 1):
-        """One forward of `feed` after the session's cache, as a job's step; (logits, ms)."""
+    def step(self, session: Session, feed: list[int], read: Reads):
+        """One forward of `feed` after the session's cache, as a job's step; its StepOutput."""
         return (yield from guarded_step(session, Step(
-            Segment(session.cache, feed, num_logits),
-            lambda: forward_logits(self.model, session.cache, feed, num_logits),
+            Segment(session.cache, feed, 1), lambda: forward_logits(self.model, session.cache, feed, 1), read,
         )))
 
     def speculate_job(

@@ -80,9 +80,24 @@ def draft_distributions(
 
     logits: [R, V]. Greedy: the one-hot of each argmax (Saguaro has no effect at temperature 0).
     """
+    return distributions_from(to_host(*draft_reads(logits, sampling, max_support, saguaro_c, saguaro_f)), sampling)
+
+
+def draft_reads(
+    logits: torch.Tensor, sampling: SamplingSettings, max_support: int, saguaro_c: float, saguaro_f: int
+) -> tuple[torch.Tensor, ...]:
+    """What draft_distributions reads back of the logits [R, V], on their device: the argmax ids
+    [R] when greedy, else truncated_probs's (probs [R, N], ids [R, N])."""
     if sampling.greedy:
-        return [SparseDist(token_ids=[t], probs=[1.0]) for t in logits.argmax(-1).tolist()]
-    kept, indices = to_host(*truncated_probs(logits, sampling, max_support, saguaro_c, saguaro_f))  # [R, N] each
+        return (logits.argmax(-1),)
+    return truncated_probs(logits, sampling, max_support, saguaro_c, saguaro_f)
+
+
+def distributions_from(read: list[torch.Tensor], sampling: SamplingSettings) -> list[SparseDist]:
+    """Each row's q from draft_reads's tensors, read back."""
+    if sampling.greedy:
+        return [SparseDist(token_ids=[t], probs=[1.0]) for t in read[0].tolist()]
+    kept, indices = read  # [R, N] each
     dists = []
     for ids, values in zip(indices.tolist(), kept.tolist()):
         if values[-1] > 0:
@@ -186,7 +201,7 @@ def build_steps(
     assert len(fanout) == len(draft_tokens) + 1, (fanout, draft_tokens)
     started = time.perf_counter()
     fed, kept = feed + draft_tokens, len(draft_tokens) + 1
-    logits, _ = yield from guarded_step(session, Step(
+    logits, _, _ = yield from guarded_step(session, Step(
         Segment(session.cache, fed, kept), lambda: forward_logits(model, session.cache, fed, kept)
     ))  # [K+1, V]
     session.extend(fed)
@@ -224,11 +239,16 @@ class _TreeDraft:
     copier: Copier  # copy drafting over the committed tokens
     penalty: DraftPenalty  # over the committed tokens, before each branch's own
 
-    def dists(self, step: int, logits: torch.Tensor, histories: list[list[int]]) -> list[SparseDist]:
-        """Each row's q'; histories[b]: row b's tokens after the committed ones, the one it feeds included."""
+    def reads(self, step: int, logits: torch.Tensor, histories: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """What a tree step reads back of its logits [B, V] (draft_reads, after the penalty);
+        histories[b]: row b's tokens after the committed ones, the one it feeds included."""
         saguaro_f = self.saguaro_fanout[step - 1] if step - 1 < len(self.saguaro_fanout) else 0
         logits = self.penalty.apply(logits, histories)  # [B, V]
-        dists = draft_distributions(logits, self.sampling, self.max_support, self.saguaro_c, saguaro_f)
+        return draft_reads(logits, self.sampling, self.max_support, self.saguaro_c, saguaro_f)
+
+    def dists(self, read: list[torch.Tensor], histories: list[list[int]]) -> list[SparseDist]:
+        """Each row's q' from the step's reads, copy drafting mixed in."""
+        dists = distributions_from(read, self.sampling)
         return [self.copier.mix(d, h, self.sampling.greedy) for d, h in zip(dists, histories)]
 
 
@@ -255,8 +275,11 @@ class _Tree:
         segment = Segment(
             self.session.cache, self.tokens, len(self.tokens), self.masks.visible_at(step), positions.tolist(), self.prefix_len
         )
-        logits, _ = yield from guarded_step(self.session, Step(segment, lambda: self._alone(step, positions)))  # [B, V]
-        dists = draft.dists(step, logits, [self._history(b) for b in range(len(self.roots))])
+        histories = [self._history(b) for b in range(len(self.roots))]
+        _, _, read = yield from guarded_step(self.session, Step(
+            segment, lambda: self._alone(step, positions), lambda logits: draft.reads(step, logits, histories)
+        ))  # logits [B, V], read back as each row's q'
+        dists = draft.dists(read, histories)
         self.tokens = []
         for b, (j, _) in enumerate(self.roots):
             token = sample_draft_token(dists[b], draft.sampling, self.n + j + step)

@@ -2,7 +2,8 @@
 
 A draft worker's calls are loops of forwards: a Propose drafts K tokens one step at a time, a
 Speculate runs step 0 and then grows its tree a step at a time. Written as generators that
-yield each forward they need (a `Step`) and receive its logits, the jobs of every session in
+yield each forward they need (a `Step`) and receive its logits (with what they read of them, read
+back for all jobs of a forward at once), the jobs of every session in
 flight can share forwards: each turn of the model thread takes the next step of every active
 job (new jobs join at the next turn, at most one per session) and runs them as one packed
 forward, or alone when a single job is active, through the job's own forward, as before
@@ -20,27 +21,44 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Callable, Generator, Hashable
+from typing import Callable, Generator, Hashable, NamedTuple
 
 import torch
 
 from specd.core.errors import TooManySessions
+from specd.engine.host_copy import to_host
 from specd.engine.kv_pool import make_room
 from specd.engine.packed_forward import Packer, Segment
 from specd.engine.turns import Pending, Turns
 
 Logits = tuple[torch.Tensor, float]  # ([num_logits, V] float32, forward ms)
+Reads = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # logits [num_logits, V] -> tensors on their device
+
+
+def _reads_nothing(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One forward a job needs: as a packed segment, and as the job would run it alone."""
+    """One forward a job needs: as a packed segment, and as the job would run it alone; and what
+    the job reads of its logits, which a turn brings to the host with every other job's (on a GPU
+    each read-back waits for the device: one wait a forward, not one a job)."""
 
     segment: Segment
     alone: Callable[[], Logits]
+    read: Reads = _reads_nothing
 
 
-Job = Generator[Step, Logits, object]
+class StepOutput(NamedTuple):
+    """What a job's step gives it back."""
+
+    logits: torch.Tensor  # [num_logits, V] float32, on the model's device
+    forward_ms: float
+    read: list[torch.Tensor]  # the step's `read` of the logits, on the host
+
+
+Job = Generator[Step, StepOutput, object]
 
 
 @dataclasses.dataclass
@@ -57,9 +75,31 @@ def run_alone(job: Job):
     try:
         step = next(job)
         while True:
-            step = job.send(step.alone())
+            logits, forward_ms = step.alone()
+            try:
+                read = to_host(*step.read(logits))
+            except Exception as exc:  # noqa: BLE001 - the job's own clean-up runs, and it fails
+                step = job.throw(exc)
+                continue
+            step = job.send(StepOutput(logits, forward_ms, read))
     except StopIteration as stop:
         return stop.value
+
+
+def read_back(steps: list[Step], results: list[Logits]) -> list[StepOutput | Exception]:
+    """Each step's output, every step's `read` brought to the host in one wait; a step whose read
+    fails gets its error instead."""
+    wanted: list[tuple[torch.Tensor, ...] | Exception] = []
+    for step, (logits, _) in zip(steps, results):
+        try:
+            wanted.append(tuple(step.read(logits)))
+        except Exception as exc:  # noqa: BLE001 - that job alone fails
+            wanted.append(exc)
+    host = iter(to_host(*[t for w in wanted if not isinstance(w, Exception) for t in w]))
+    return [
+        w if isinstance(w, Exception) else StepOutput(logits, forward_ms, [next(host) for _ in w])
+        for w, (logits, forward_ms) in zip(wanted, results)
+    ]
 
 
 def guarded_step(session, step: Step):
@@ -180,8 +220,11 @@ class StepBatcher:
         forward_s = time.perf_counter() - started
         if self._observe is not None:
             self._observe(len(ready), results[0][1])
-        for entry, logits in zip(ready, results):
-            self._resume(entry, logits)
+        for entry, output in zip(ready, read_back([entry.step for entry in ready], results)):
+            if isinstance(output, Exception):
+                self._fail(entry, output)
+            else:
+                self._resume(entry, output)
         return [entry.session for entry in ready], forward_s
 
     def _has_room(self, entry: _Active) -> bool:
@@ -195,10 +238,10 @@ class StepBatcher:
             return False
         return True
 
-    def _resume(self, entry: _Active, logits: Logits | None) -> None:
-        """Give a job its step's logits (None: start it); keep its next step or settle it."""
+    def _resume(self, entry: _Active, output: StepOutput | None) -> None:
+        """Give a job its step's output (None: start it); keep its next step or settle it."""
         try:
-            entry.step = next(entry.job) if logits is None else entry.job.send(logits)
+            entry.step = next(entry.job) if output is None else entry.job.send(output)
         except StopIteration as stop:
             entry.step = None
             entry.future.set_result(stop.value)

@@ -175,8 +175,13 @@ def draft_runner(tiny_pair):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_draft_jobs_of_different_sessions_share_forwards_and_draft_as_alone(draft_runner, temperature):
-    """Proposes of ragged lengths and a Speculate tree, stepped together, against each run alone."""
+def test_draft_jobs_of_different_sessions_share_forwards_and_draft_as_alone(draft_runner, temperature, monkeypatch):
+    """Proposes of ragged lengths and a Speculate tree, stepped together (each forward's reads
+    brought back in one wait), against each run alone."""
+    import specd.engine.step_batcher as step_batcher
+
+    read_backs = []
+    monkeypatch.setattr(step_batcher, "to_host", lambda *t, read=step_batcher.to_host: read_backs.append(len(t)) or read(*t))
     sampling = SamplingSettings(temperature=temperature, top_k=0, top_p=0.95, seed=5)
     prompts = [list(range(7, 7 + n)) for n in (4, 11, 6)]
     model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -195,6 +200,8 @@ def test_draft_jobs_of_different_sessions_share_forwards_and_draft_as_alone(draf
     futures = [steps.start(make, i) for i, make in enumerate(jobs("b"))]
     held.set()
     together = [f.result(10) for f in futures]
+    per_job = 1 if sampling.greedy else 2  # argmax ids; or q's probabilities and ids
+    assert len(read_backs) == len(sizes) and max(read_backs) == 3 * per_job  # one a forward: two Proposes' and a tree step's
     alone = [model_thread.submit(lambda m=make: run_alone(m())).result(10) for make in jobs("a")]
     model_thread.shutdown()
     assert max(sizes) == 3  # the first steps ran as one forward
@@ -337,3 +344,16 @@ def test_an_ended_session_s_jobs_not_yet_started_never_start(draft_runner):
     model_thread.submit(lambda: None).result(5)  # the turns after it have run
     assert late.cancelled() and "ended" not in draft_runner.sessions
     model_thread.shutdown()
+
+
+def test_a_step_whose_read_fails_fails_alone():
+    from specd.engine.step_batcher import Step, read_back
+
+    def broken(logits):
+        raise ValueError("no read")
+
+    logits = torch.arange(6.0).view(2, 3)
+    steps = [Step(None, None, lambda lg: (lg.argmax(-1),)), Step(None, None, broken), Step(None, None)]
+    first, failed, nothing = read_back(steps, [(logits, 1.0), (logits, 2.0), (logits, 3.0)])
+    assert first.read[0].tolist() == [2, 2] and first.forward_ms == 1.0
+    assert isinstance(failed, ValueError) and nothing.read == [] and nothing.logits is logits
