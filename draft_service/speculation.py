@@ -154,7 +154,8 @@ def _guesses(logits: torch.Tensor, draft_tokens: list[int], fanout: list[int], c
     """(j, g) for every branch: the top-F_j tokens at position j, d_{j+1} left out for j < K.
 
     logits: [K+1, V]. Ranked as q' ranks them: the copied token at j (copies[j], None for none)
-    first, then by the raw draft logits, whose order every q shares.
+    first, then by the raw draft logits, whose order every q shares (exact ties in either order:
+    which branches are built, never what a round emits).
     """
     roots: list[tuple[int, int]] = []
     vocab = logits.shape[-1]

@@ -220,7 +220,13 @@ class StepBatcher:
         forward_s = time.perf_counter() - started
         if self._observe is not None:
             self._observe(len(ready), results[0][1])
-        for entry, output in zip(ready, read_back([entry.step for entry in ready], results)):
+        try:
+            outputs = read_back([entry.step for entry in ready], results)
+        except BaseException as exc:  # noqa: BLE001 - the read-back they share failed: every job of the forward reports it
+            for entry in ready:
+                self._fail(entry, exc)  # not left holding a step that already ran
+            return [], None
+        for entry, output in zip(ready, outputs):
             if isinstance(output, Exception):
                 self._fail(entry, output)
             else:

@@ -357,3 +357,27 @@ def test_a_step_whose_read_fails_fails_alone():
     first, failed, nothing = read_back(steps, [(logits, 1.0), (logits, 2.0), (logits, 3.0)])
     assert first.read[0].tolist() == [2, 2] and first.forward_ms == 1.0
     assert isinstance(failed, ValueError) and nothing.read == [] and nothing.logits is logits
+
+
+def test_a_failed_read_back_fails_every_job_of_its_forward_and_repeats_no_forward(draft_runner, monkeypatch):
+    import specd.engine.step_batcher as step_batcher
+
+    def unreadable(*tensors):
+        raise RuntimeError("the read-back failed")
+
+    monkeypatch.setattr(step_batcher, "to_host", unreadable)
+    model_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    sizes: list[int] = []
+    steps = StepBatcher(model_thread.submit, draft_runner.packer, 8, lambda size, ms: sizes.append(size))
+    held = threading.Event()
+    model_thread.submit(held.wait, 5)
+    greedy = SamplingSettings()
+    futures = [steps.start(lambda i=i: draft_runner.propose_job(f"r{i}", 0, [5, 6, 7 + i], 3, greedy, 0), i) for i in range(2)]
+    held.set()
+    for future in futures:
+        with pytest.raises(RuntimeError, match="the read-back failed"):
+            future.result(10)
+    model_thread.shutdown()
+    assert sizes == [2]  # the one forward, not run again
+    for i in range(2):
+        draft_runner.end_session(f"r{i}")
