@@ -28,7 +28,6 @@ from specd.core.logits import penalize_seen, seen_ids
 from specd.core.saguaro import reshape_sorted
 from specd.core.sampling import Purpose, SamplingSettings, SparseDist, keyed_uniform, sample_sparse
 from specd.engine.forward import elapsed_ms, forward_logits
-from specd.engine.host_copy import to_host
 from specd.engine.kv_cache import croppable
 from specd.engine.packed_forward import Segment
 from specd.engine.session_cache import Session
@@ -71,30 +70,21 @@ class DraftPenalty:
         return penalize_seen(logits, self.seen, row_tokens, self.penalty)
 
 
-def draft_distributions(
-    logits: torch.Tensor, sampling: SamplingSettings, max_support: int, saguaro_c: float, saguaro_f: int
-) -> list[SparseDist]:
-    """The q each row's draft token is sampled from: processed like the target's logits, cut to
-    the top-N tokens and renormalised, then Saguaro-reshaped. One batched computation for all
-    branches of a tree step (per-row Python here cost more than the step's forward).
-
-    logits: [R, V]. Greedy: the one-hot of each argmax (Saguaro has no effect at temperature 0).
-    """
-    return distributions_from(to_host(*draft_reads(logits, sampling, max_support, saguaro_c, saguaro_f)), sampling)
-
-
 def draft_reads(
     logits: torch.Tensor, sampling: SamplingSettings, max_support: int, saguaro_c: float, saguaro_f: int
 ) -> tuple[torch.Tensor, ...]:
-    """What draft_distributions reads back of the logits [R, V], on their device: the argmax ids
-    [R] when greedy, else truncated_probs's (probs [R, N], ids [R, N])."""
+    """What makes the q each row's draft token is sampled from, on the logits' device, to read back
+    for distributions_from: the logits [R, V] processed like the target's, cut to the top-N tokens
+    and renormalised, then Saguaro-reshaped (truncated_probs's (probs [R, N], ids [R, N])); greedy,
+    the argmax ids [R] (Saguaro has no effect at temperature 0). One batched computation for all
+    branches of a tree step (per-row Python here cost more than the step's forward)."""
     if sampling.greedy:
         return (logits.argmax(-1),)
     return truncated_probs(logits, sampling, max_support, saguaro_c, saguaro_f)
 
 
 def distributions_from(read: list[torch.Tensor], sampling: SamplingSettings) -> list[SparseDist]:
-    """Each row's q from draft_reads's tensors, read back."""
+    """Each row's q from draft_reads's tensors, read back (greedy: the one-hot of each argmax)."""
     if sampling.greedy:
         return [SparseDist(token_ids=[t], probs=[1.0]) for t in read[0].tolist()]
     kept, indices = read  # [R, N] each

@@ -171,6 +171,14 @@ def test_saguaro_reshapes_the_branch_distributions(runner):
         assert q_prime.probs[:3] == pytest.approx([p * 0.25 * ratio for p in top], rel=1e-4)
 
 
+def _draft_distributions(logits, settings, max_support, saguaro_c, saguaro_f):
+    """Each row's q as a draft step makes it: its reads, read back, then the distributions."""
+    from draft_service.speculation import distributions_from, draft_reads
+    from specd.engine.host_copy import to_host
+
+    return distributions_from(to_host(*draft_reads(logits, settings, max_support, saguaro_c, saguaro_f)), settings)
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -182,12 +190,11 @@ def test_saguaro_reshapes_the_branch_distributions(runner):
 )
 def test_batched_draft_distributions_equal_the_reference_processing(settings):
     """The draft's batched top-N q equals the target's processing followed by truncate_to_top."""
-    from draft_service.speculation import draft_distributions
     from specd.core.logits import logits_to_probs
     from tests.distributions import truncate_to_top
 
     logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(2)) * 3  # [R, V]
-    for row, dist in enumerate(draft_distributions(logits, settings, 64, 1.0, 0)):
+    for row, dist in enumerate(_draft_distributions(logits, settings, 64, 1.0, 0)):
         want = truncate_to_top(logits_to_probs(logits[row], settings), 64)
         assert dist.token_ids == want.token_ids
         assert dist.probs == pytest.approx(want.probs, abs=1e-6)
@@ -196,12 +203,11 @@ def test_batched_draft_distributions_equal_the_reference_processing(settings):
 def test_saguaro_at_c_0_sends_the_q_it_samples_from():
     """C = 0 zeroes the draft's top F tokens and top-p its tail: q' keeps exactly the tokens
     between, renormalised, so the verifier is told the q the draft samples from."""
-    from draft_service.speculation import draft_distributions
     from specd.core.logits import logits_to_probs
 
     logits = torch.tensor([[5.0, 4.5, 4.0, 3.5, 3.0] + [-50.0] * 59])  # [1, 64]
     settings = SamplingSettings(temperature=1.0, top_p=0.999)
-    (dist,) = draft_distributions(logits, settings, 64, 0.0, 2)
+    (dist,) = _draft_distributions(logits, settings, 64, 0.0, 2)
     probs = logits_to_probs(logits[0], settings)  # [64]: the top 5 tokens hold all of top-p's mass
     assert sorted(dist.token_ids) == [2, 3, 4]
     want = probs[[2, 3, 4]] / probs[[2, 3, 4]].sum()
