@@ -8,7 +8,7 @@ of those same workers, each service on the CPUs `specd up` would give it, each c
 with the arm's flags (besides --ssd-budget and --num-speculative-tokens, 16 and 4 unless
 given) and, with @TREE, run from another checkout's code (PYTHONPATH=TREE): settings or
 coordinator code before and after a change, in one run (benchmarks/ab_stacks.py for the workers').
-The bench prompts go through ssd, greedy, 128 new tokens, each prompt to every arm in turn (the
+The bench prompts go through ssd (or --mode), greedy, 128 new tokens, each prompt to every arm in turn (the
 order rotating), so the machine's drift hits every arm alike, for several passes. Prints
 tokens/s per pass and per arm, and whether every arm's greedy outputs were identical. How the
 default budget was chosen (docs/decisions.md):
@@ -84,10 +84,10 @@ def start_stack(args, log_dir: pathlib.Path, processes: list[subprocess.Popen]) 
 
 
 def run_passes(args, addresses: dict[str, str]) -> dict[str, list[bench.ModeRun]]:
-    prompts = json.loads(BENCH_PROMPTS.read_text())[: args.num_prompts]
+    prompts = json.loads(pathlib.Path(args.prompts).read_text())[: args.num_prompts]
     stubs = {arm: coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(a)) for arm, a in addresses.items()}
     for stub in stubs.values():
-        bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], "ssd", 8, args.k)  # warm-up
+        bench.add_specd_prompt(bench.ModeRun(), stub, prompts[0], args.mode, 8, args.k)  # warm-up
     names = list(addresses)
     passes: dict[str, list[bench.ModeRun]] = {arm: [] for arm in names}
     for number in range(args.passes):
@@ -95,7 +95,7 @@ def run_passes(args, addresses: dict[str, str]) -> dict[str, list[bench.ModeRun]
         for index, prompt in enumerate(prompts):
             turn = (index + number) % len(names)
             for arm in names[turn:] + names[:turn]:
-                bench.add_specd_prompt(runs[arm], stubs[arm], prompt, "ssd", args.max_new_tokens, args.k)
+                bench.add_specd_prompt(runs[arm], stubs[arm], prompt, args.mode, args.max_new_tokens, args.k, args.stream)
         print(f"pass {number + 1}: " + ", ".join(f"{arm} {run.tokens_per_s:6.2f} tok/s" for arm, run in runs.items()), flush=True)
         for arm, run in runs.items():
             passes[arm].append(run)
@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budget", type=int, default=16)
+    parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (default: the default pair's bench prompts)")
+    parser.add_argument("--stream", action="store_true", help="GenerateStream calls, read to their end, instead of Generate")
+    parser.add_argument("--mode", choices=("off", "sd", "ssd"), default="ssd", help="the mode every request asks for")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="the target worker's model (default: the default pair's)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="the draft worker's model (default: the default pair's)")

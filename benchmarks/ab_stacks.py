@@ -7,7 +7,7 @@ needs a stack of its own. Each arm here is a `specd up` (this checkout's code, o
 another checkout's: PYTHONPATH=TREE, run from TREE, so its default draft is TREE's too) given the
 arm's `specd up` flags after "=". Every stack pins its services as `specd up` does; the stacks
 share the CPUs, so only one serves at a time: the bench prompts go to every arm in turn (the
-order rotating), greedy, ssd, so the machine's drift hits every arm alike. Prints tokens/s per
+order rotating), greedy, ssd (or --mode), so the machine's drift hits every arm alike. Prints tokens/s per
 pass and per arm, and whether every arm's greedy outputs were identical.
 """
 
@@ -26,6 +26,7 @@ from ab_ssd import parse_arm, report, run_passes  # noqa: E402  (benchmarks/, th
 from coordinator.profiles import CPU  # noqa: E402
 from specd.cli.supervise import stop_processes, wait_serving  # noqa: E402
 from specd.cli.up import free_port  # noqa: E402
+from specd.engine.default_pair import BENCH_PROMPTS  # noqa: E402
 
 
 def start_stack(name: str, tree: str, flags: list[str], log_dir: pathlib.Path) -> tuple[subprocess.Popen, str, pathlib.Path]:
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=CPU.num_speculative_tokens, help="K each request asks for")
+    parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (default: the default pair's bench prompts)")
+    parser.add_argument("--stream", action="store_true", help="GenerateStream calls, read to their end, instead of Generate")
+    parser.add_argument("--mode", choices=("off", "sd", "ssd"), default="ssd", help="the mode every request asks for")
     args = parser.parse_args()
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="specd-ab-stacks-"))
     print(f"logs in {log_dir}", flush=True)

@@ -57,11 +57,12 @@ def specd_request(prompt: str, mode: str, max_new_tokens: int, k: int):
     )
 
 
-def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens: int, k: int) -> None:
-    """One greedy request of `mode` through the stack behind `stub`, added to `run`."""
+def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens: int, k: int, stream: bool = False) -> None:
+    """One greedy request of `mode` through the stack behind `stub`, added to `run`: a Generate
+    call, or with `stream` a GenerateStream read to its end."""
     request = specd_request(prompt, mode, max_new_tokens, k)
     started = time.perf_counter()
-    response = stub.Generate(request, timeout=600)
+    response = streamed_response(stub, request) if stream else stub.Generate(request, timeout=600)
     run.seconds += time.perf_counter() - started
     run.tokens += len(response.token_ids)
     run.rounds += response.stats.rounds
@@ -71,6 +72,14 @@ def add_specd_prompt(run: ModeRun, stub, prompt: str, mode: str, max_new_tokens:
     run.cache_misses += response.stats.cache_misses
     run.verify_ms += response.stats.verify_ms
     run.outputs.append(list(response.token_ids))
+
+
+def streamed_response(stub, request):
+    """A GenerateStream call read to its end, as the GenerateResponse's token ids and stats."""
+    from specd.v1 import coordinator_pb2
+
+    messages = list(stub.GenerateStream(request, timeout=600))
+    return coordinator_pb2.GenerateResponse(token_ids=[t for m in messages for t in m.token_ids], stats=messages[-1].stats)
 
 
 class HFAssisted:
