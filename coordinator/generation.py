@@ -4,7 +4,8 @@ committed as text, its stats, and its sessions ended however it ends.
     Generator.run(request, place)
       RequestState + SpeculationPolicy        coordinator/request_state.py, coordinator/policy.py
       ssd_rounds | sd_rounds                   coordinator/ssd_rounds.py, coordinator/sd_rounds.py
-        each RoundResult -> stats, policy, commit (stop strings, EOS, max length) -> Chunk
+        RoundsAhead: each round's tokens committed (to an EOS), the next round started   coordinator/rounds_ahead.py
+        each RoundAhead -> stats, text settled (stop strings, EOS, max length) -> Chunk
       Finish (text, usage, stats), sessions ended, place released
       RequestRecord: a finished request logged and counted  coordinator/request_log.py
 """
@@ -32,6 +33,7 @@ from coordinator.request_log import RequestRecord
 from coordinator.request_state import RequestState
 from coordinator.round_result import RoundResult
 from coordinator.round_trace import RoundTrace, record_request, record_response
+from coordinator.rounds_ahead import RoundAhead, RoundsAhead
 from coordinator.sd_rounds import sd_rounds
 from coordinator.ssd_rounds import ssd_rounds
 from coordinator.stats import RequestStats
@@ -98,25 +100,29 @@ class Generator:
         stats.queue_ms = place.queue_ms if place is not None else 0.0
         if self.metrics is not None:
             self.metrics.requests_in_flight.inc()
-        rounds = self._rounds(state)
+        rounds: RoundsAhead | None = None
+        settled = len(state.committed)  # committed tokens whose text is settled: the request's output
         self.decoding += 1
         try:
             # Before any round: while the target is full, the request waits for its session here.
             await self.target.open_session(state.target_session, state.committed)
-            async for result in rounds:
-                stats.add(result)
-                state.policy.round_done(result.num_draft, len(result.tokens))
-                yield await self._commit(state, result, output)
+            rounds = RoundsAhead(self._rounds(state), state)
+            async for ahead in rounds:
+                stats.add(ahead.result)
+                chunk = await self._commit(state, ahead, output)
+                settled = ahead.start + len(chunk.token_ids)
+                yield chunk
                 if output.done:
                     break
         finally:
-            # Closed before the sessions are ended: a request cancelled between rounds (while
-            # committing, or at the yield) leaves its loop suspended with the next round's calls
-            # started, and one of them reaching the draft after its EndSession would open the
+            # Closed before the sessions are ended: the round under way, ahead of the text, has
+            # calls in flight, and one reaching the draft after its EndSession would open the
             # session again, to be held until the idle timeout.
             try:
-                await rounds.aclose()
+                if rounds is not None:
+                    await rounds.close()
             finally:
+                del state.committed[settled:]  # rounds ahead of a stop string, or of a cancelled request's last chunk
                 self.decoding -= 1
                 record.add_stats(stats, len(state.committed) - output.prompt_len)
                 self._end_request(state, stats, place)
@@ -154,15 +160,14 @@ class Generator:
             return ssd_rounds(state, self.target, self.draft, self.config)
         return sd_rounds(state, self.target, self.draft)
 
-    async def _commit(self, state: RequestState, result: RoundResult, output: RequestOutput) -> Chunk:
-        """A round's tokens up to the first stop condition, committed: the chunk they make final."""
-        # One thread hop per round; the commit itself stays on the loop, beside the rounds' tasks.
-        committed, stop_reason = await asyncio.get_running_loop().run_in_executor(
-            self.text_pool, settle_text, result.tokens, output.text, state.eos_token_ids
+    async def _commit(self, state: RequestState, ahead: RoundAhead, output: RequestOutput) -> Chunk:
+        """A round's tokens up to the first stop condition, their text settled: the chunk they make final."""
+        # One thread hop per round, while the next round runs; the commit itself stays on the loop.
+        settled, stop_reason = await asyncio.get_running_loop().run_in_executor(
+            self.text_pool, settle_text, ahead.tokens, output.text, state.eos_token_ids
         )
-        state.committed.extend(committed)
-        logprobs = result.logprobs[: len(committed)] if state.return_logprobs else []
-        return output.commit(committed, logprobs, stop_reason, len(state.committed) >= state.max_len)
+        logprobs = ahead.result.logprobs[: len(settled)] if state.return_logprobs else []
+        return output.commit(settled, logprobs, stop_reason, ahead.start + len(settled) >= state.max_len)
 
     def _end_request(self, state: RequestState, stats: RequestStats, place: Place | None) -> None:
         """Free what the request holds, however it ended (also cancelled: what ran is counted)."""

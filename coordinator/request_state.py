@@ -2,9 +2,10 @@
 of them, and what its rounds share (its policy, its spans, the draft wait). The sd and ssd loops
 (coordinator/sd_rounds.py, coordinator/ssd_rounds.py) both run on it.
 
-The loop yields one RoundResult per target forward; its consumer commits the emitted tokens
-(perhaps fewer, at a stop condition) to `committed` before asking for the next round, so a
-loop always drafts after exactly what was committed.
+The loop yields one RoundResult per target forward; coordinator/rounds_ahead.py commits its
+tokens (up to an EOS) to `committed` before the loop goes on, so a loop always drafts after
+exactly what was committed; their text settles behind, and a stop string found there cuts
+`committed` back when the request ends.
 """
 
 from __future__ import annotations

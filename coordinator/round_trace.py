@@ -7,7 +7,8 @@
     ├── ...
     ├── spec_rounds (rounds 64-127)  past max_round_spans: one summary span per group of
     │   └── ...                      max_round_spans rounds, parent of their worker calls
-    └── spec_round_unused (index n)  ssd: a round whose work started ahead, never run
+    └── spec_round_unused (index n)  a round whose work started ahead, never run (ssd), or
+                                     cut short by the request's end (coordinator/rounds_ahead.py)
 
 Use from a round loop (sd_rounds, ssd_rounds):
 
@@ -42,7 +43,8 @@ from specd.wire.modes import mode_name
 
 DEFAULT_MAX_ROUND_SPANS = 64
 FINISH_REASONS = {1: "stop", 2: "length"}
-# A round begun ahead (ssd) that never ran: its calls were for an outcome that did not come.
+# A round begun ahead (ssd) that never ran: its calls were for an outcome that did not come; or a
+# round the request's end cut short (its rounds run one ahead of its text: a stop string, a cancel).
 UNUSED_ROUND = "spec_round_unused"
 
 
@@ -264,6 +266,7 @@ class RoundTrace:
         self._open: dict[int, tuple[RoundSpan, _Group | None]] = {}  # begun, not yet run
         self._group: _Group | None = None  # the summary taking new rounds
         self._groups: list[_Group] = []  # summaries not yet ended
+        self._ended = False  # the request ended: a round cancelled from now on is one it did not need
 
     def _begin(self, index: int) -> tuple[RoundSpan, _Group | None]:
         """Round `index`'s span, started now unless it already was (not made current)."""
@@ -296,7 +299,7 @@ class RoundTrace:
         round_span, group = self._begin(index)
         del self._open[index]
         if group is None:
-            with trace.use_span(round_span.span, end_on_exit=True):
+            with trace.use_span(round_span.span, end_on_exit=True), self._unused_if_cut_short(round_span.span):
                 yield round_span
             return
         with trace.use_span(group.span, end_on_exit=False):
@@ -305,6 +308,20 @@ class RoundTrace:
         group.totals["first_index"] = min(group.totals["first_index"], index)
         group.totals["last_index"] = max(group.totals["last_index"], index)
         self._settle(group)
+
+    def end_rounds(self) -> None:
+        """The request has ended: a round cancelled after this (one under way ahead of the
+        request's text) is named UNUSED_ROUND, not taken for a round that ran and failed."""
+        self._ended = True
+
+    @contextlib.contextmanager
+    def _unused_if_cut_short(self, span: trace.Span) -> Iterator[None]:
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self._ended and span.is_recording():
+                span.update_name(UNUSED_ROUND)
+            raise
 
     def _tracer_records(self) -> bool:
         return trace.get_current_span(self._parent).is_recording()

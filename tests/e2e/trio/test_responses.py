@@ -33,20 +33,23 @@ def test_stream_equals_unary(stub, reference, mode):
 
 
 def test_stop_string_cuts_the_text(stub, reference):
-    _, _, prompts, _ = reference
+    _, tokenizer, prompts, _ = reference
     ids = prompts[PROMPTS[0]]
     full = stub.Generate(request(ids, max_new_tokens=MAX_NEW), timeout=CALL_TIMEOUT_S)
     text = full.text
     assert len(text) > 20
     stop = text[12:15]
     cut = text.find(stop)
+    # The tokens up to the one that completes the stop string; none after it (the rounds that
+    # ran ahead of the text are cut back), whichever round it came in.
+    through_stop = next(n for n in range(1, len(full.token_ids) + 1) if stop in tokenizer.decode(full.token_ids[:n]))
     for mode in (pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_OFF):
         response = stub.Generate(request(ids, mode=mode, max_new_tokens=MAX_NEW, stop=["never-there", stop]), timeout=CALL_TIMEOUT_S)
         assert response.finish_reason == pb.FINISH_REASON_STOP
         assert response.stop_reason == stop
         assert response.text == text[:cut]
-        assert len(response.token_ids) < MAX_NEW
-        assert list(response.token_ids) == list(full.token_ids)[: len(response.token_ids)]
+        assert list(response.token_ids) == list(full.token_ids)[:through_stop]
+        assert response.usage.completion_tokens == through_stop
         streamed_ids, _, streamed_text, messages = collect_stream(stub, request(ids, mode=mode, max_new_tokens=MAX_NEW, stop=[stop]))
         assert streamed_text == text[:cut] and streamed_ids == list(response.token_ids)
         assert messages[-1].finish_reason == pb.FINISH_REASON_STOP
