@@ -64,7 +64,9 @@ class Session:
         committed = self.cached_tokens[:start] + tokens
         if not committed:
             raise ValueError("no committed tokens")
-        keep = _common_prefix(self.cached_tokens, committed)
+        # Before `start` the history is the cache's own: only what follows can differ. (A scan of
+        # the whole history cost a Python loop over every token of it, per call and session.)
+        keep = start + _common_prefix(self.cached_tokens[start:], tokens)
         keep = min(keep, len(committed) - 1)
         self.rollback(keep)
         return committed, committed[keep:]
