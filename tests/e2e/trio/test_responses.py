@@ -42,8 +42,10 @@ def test_stop_string_cuts_the_text(stub, reference):
     cut = text.find(stop)
     # The tokens up to the one that completes the stop string; none after it (the rounds that
     # ran ahead of the text are cut back), whichever round it came in.
-    through_stop = next(n for n in range(1, len(full.token_ids) + 1) if stop in tokenizer.decode(full.token_ids[:n]))
-    for mode in (pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_OFF):
+    through_stop = next(
+        n for n in range(1, len(full.token_ids) + 1) if stop in tokenizer.decode(full.token_ids[:n], skip_special_tokens=True)
+    )
+    for mode in (pb.SPECULATION_MODE_SSD, pb.SPECULATION_MODE_SD, pb.SPECULATION_MODE_OFF):
         response = stub.Generate(request(ids, mode=mode, max_new_tokens=MAX_NEW, stop=["never-there", stop]), timeout=CALL_TIMEOUT_S)
         assert response.finish_reason == pb.FINISH_REASON_STOP
         assert response.stop_reason == stop
