@@ -83,6 +83,13 @@ def start_stack(args, log_dir: pathlib.Path, processes: list[subprocess.Popen]) 
     return {arm: f"127.0.0.1:{ports[arm]}" for arm in arms}
 
 
+def add_request_options(parser: argparse.ArgumentParser) -> None:
+    """What run_passes sends: --prompts, --mode, --stream."""
+    parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (default: the default pair's bench prompts)")
+    parser.add_argument("--stream", action="store_true", help="GenerateStream calls, read to their end, instead of Generate")
+    parser.add_argument("--mode", choices=("off", "sd", "ssd"), default="ssd", help="the mode every request asks for")
+
+
 def run_passes(args, addresses: dict[str, str]) -> dict[str, list[bench.ModeRun]]:
     prompts = json.loads(pathlib.Path(args.prompts).read_text())[: args.num_prompts]
     stubs = {arm: coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(a)) for arm, a in addresses.items()}
@@ -120,9 +127,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budget", type=int, default=16)
-    parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (default: the default pair's bench prompts)")
-    parser.add_argument("--stream", action="store_true", help="GenerateStream calls, read to their end, instead of Generate")
-    parser.add_argument("--mode", choices=("off", "sd", "ssd"), default="ssd", help="the mode every request asks for")
+    add_request_options(parser)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="the target worker's model (default: the default pair's)")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="the draft worker's model (default: the default pair's)")

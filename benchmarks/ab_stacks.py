@@ -21,12 +21,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from ab_ssd import parse_arm, report, run_passes  # noqa: E402  (benchmarks/, this script's folder)
+from ab_ssd import add_request_options, parse_arm, report, run_passes  # noqa: E402  (benchmarks/, this script's folder)
 
 from coordinator.profiles import CPU  # noqa: E402
 from specd.cli.supervise import stop_processes, wait_serving  # noqa: E402
 from specd.cli.up import free_port  # noqa: E402
-from specd.engine.default_pair import BENCH_PROMPTS  # noqa: E402
 
 
 def start_stack(name: str, tree: str, flags: list[str], log_dir: pathlib.Path) -> tuple[subprocess.Popen, str, pathlib.Path]:
@@ -48,9 +47,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=CPU.num_speculative_tokens, help="K each request asks for")
-    parser.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSON list of prompt strings (default: the default pair's bench prompts)")
-    parser.add_argument("--stream", action="store_true", help="GenerateStream calls, read to their end, instead of Generate")
-    parser.add_argument("--mode", choices=("off", "sd", "ssd"), default="ssd", help="the mode every request asks for")
+    add_request_options(parser)
     args = parser.parse_args()
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="specd-ab-stacks-"))
     print(f"logs in {log_dir}", flush=True)

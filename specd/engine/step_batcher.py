@@ -75,13 +75,12 @@ def run_alone(job: Job):
     try:
         step = next(job)
         while True:
-            logits, forward_ms = step.alone()
+            result = step.alone()
             try:
-                read = to_host(*step.read(logits))
-            except Exception as exc:  # noqa: BLE001 - the job's own clean-up runs, and it fails
-                step = job.throw(exc)
-                continue
-            step = job.send(StepOutput(logits, forward_ms, read))
+                (output,) = read_back([step], [result])
+            except Exception as exc:  # noqa: BLE001 - the read-back failed: the job's own clean-up runs, and it fails
+                output = exc
+            step = job.throw(output) if isinstance(output, Exception) else job.send(output)
     except StopIteration as stop:
         return stop.value
 
